@@ -1,0 +1,343 @@
+/*
+ * kiln/runtime.h — the public C API of libkilnrt, Kiln's device runtime.
+ *
+ * This is the only interface the PyTorch layer (torch_kiln/csrc) uses to reach
+ * a device. It reads like CUDA's runtime API with a `kiln` prefix so that an
+ * accelerator engineer recognises every call; a real chip's runtime can
+ * replace the reference implementation behind it without touching PyTorch.
+ *
+ * The reference device (runtime/src) is a software-defined accelerator on the
+ * host CPU with the semantics of real hardware:
+ *   - devices:  KILN_DEVICE_COUNT logical devices (default 2), numbered 0..n-1;
+ *   - memory:   host RAM owned by the runtime, with a per-device capacity
+ *               (KILN_DEVICE_MEMORY, default 16GiB); an allocation past the
+ *               capacity fails with kilnErrorMemoryAllocation, never crashes;
+ *   - streams:  in-order task queues, each run by its own worker thread; every
+ *               device has a default stream;
+ *   - events:   markers on streams: record, wait, query, synchronize, timing;
+ *   - tasks:    the unit of device work. On the reference device a task is a
+ *               host function run by the stream's worker thread; it may read
+ *               and write device memory directly (device pointers are host
+ *               addresses there);
+ *   - errors:   every call returns a status code; a failing task leaves a
+ *               sticky error on its stream that the next synchronization or
+ *               query of that stream returns, with the task's name and message.
+ *               KILN_LAUNCH_BLOCKING=1 runs every task on the calling thread at
+ *               launch, so a failing task fails its own launch call.
+ *
+ * Conventions
+ *   - All functions are thread-safe. No function throws (C linkage).
+ *   - Sizes and counts are in bytes. Times are in milliseconds.
+ *   - A NULL kilnStream_t means the default stream of the calling thread's
+ *     current device, resolved at call time.
+ *   - When a call fails, kilnGetLastErrorMessage() gives a sentence naming what
+ *     was asked and what is allowed (e.g. the requested size and the free and
+ *     total memory for an out-of-memory error). kilnErrorNotReady from a query
+ *     (kilnStreamQuery, kilnEventQuery) is an answer, not a failure, and leaves
+ *     the message alone.
+ *   - The runtime initialises itself on first use. A process forked after the
+ *     runtime was initialised cannot use it: every call in the child returns
+ *     kilnErrorInitializationError (use the 'spawn' start method instead).
+ */
+#ifndef KILN_RUNTIME_H_
+#define KILN_RUNTIME_H_
+
+#include <stddef.h>
+
+#if defined(_WIN32)
+#define KILN_API __declspec(dllexport)
+#else
+#define KILN_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KILN_RUNTIME_VERSION 1
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Status codes. The numbers follow CUDA's cudaError_t where one exists. */
+typedef enum kilnError {
+  kilnSuccess = 0,
+  kilnErrorInvalidValue = 1,          /* an argument is out of range or NULL   */
+  kilnErrorMemoryAllocation = 2,      /* out of device (or host) memory        */
+  kilnErrorInitializationError = 3,   /* bad environment, or a forked child    */
+  kilnErrorInvalidDevicePointer = 17, /* not a live pointer from kilnMalloc    */
+  kilnErrorInvalidDevice = 101,       /* device index outside [0, count)       */
+  kilnErrorInvalidResourceHandle = 400, /* bad stream or event handle, or an
+                                           event that cannot be timed          */
+  kilnErrorNotReady = 600,            /* work is still pending (query calls)   */
+  kilnErrorLaunchFailure = 719,       /* a task failed (sticky on its stream)  */
+  kilnErrorNotPermitted = 800,        /* operation not allowed in this state   */
+  kilnErrorUnknown = 999
+} kilnError_t;
+
+/* The enumerator's name, e.g. "kilnErrorMemoryAllocation". Never NULL. */
+KILN_API const char* kilnGetErrorName(kilnError_t error);
+
+/* A short description of the code, e.g. "out of memory". Never NULL. */
+KILN_API const char* kilnGetErrorString(kilnError_t error);
+
+/* The detailed message of the last failing call made by this thread (empty
+ * string if none). The pointer stays valid until this thread's next failing
+ * call. Example: "kilnMalloc: out of memory on kiln device 0: requested
+ * 1125899906842624 bytes (1.00 PiB); 17179869184 bytes (16.00 GiB) free of
+ * 17179869184 bytes (16.00 GiB) total". */
+KILN_API const char* kilnGetLastErrorMessage(void);
+
+/* Version of this runtime (KILN_RUNTIME_VERSION). Answers even when the
+ * environment is invalid (it needs no device). */
+KILN_API kilnError_t kilnRuntimeGetVersion(int* version);
+
+/* ------------------------------------------------------------------------ */
+/* Devices                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kilnDeviceProp {
+  char name[256];             /* "Kiln reference device"                    */
+  size_t totalGlobalMem;      /* capacity in bytes (KILN_DEVICE_MEMORY)      */
+  int multiProcessorCount;    /* host cores the device's kernels may use     */
+  int streamPriorityLowest;   /* 0                                           */
+  int streamPriorityHighest;  /* -1 (lower number = higher priority, as CUDA) */
+} kilnDeviceProp;
+
+/* Number of devices, from KILN_DEVICE_COUNT (default 2, allowed 0..64).
+ * Fails with kilnErrorInitializationError if the environment is invalid. */
+KILN_API kilnError_t kilnGetDeviceCount(int* count);
+
+/* The calling thread's current device (default 0). With no devices
+ * (KILN_DEVICE_COUNT=0) it fails with kilnErrorInvalidDevice. */
+KILN_API kilnError_t kilnGetDevice(int* device);
+KILN_API kilnError_t kilnSetDevice(int device); /* kilnErrorInvalidDevice */
+
+KILN_API kilnError_t kilnGetDeviceProperties(kilnDeviceProp* prop, int device);
+
+/* Blocks until every stream of the current device has finished its work.
+ * Returns (and clears) the first sticky error found among those streams. */
+KILN_API kilnError_t kilnDeviceSynchronize(void);
+
+/* Free and total bytes of the current device's memory. */
+KILN_API kilnError_t kilnMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+
+/* Priority range for kilnStreamCreateWithPriority: *least = 0,
+ * *greatest = -1, as CUDA reports it. */
+KILN_API kilnError_t kilnDeviceGetStreamPriorityRange(int* least, int* greatest);
+
+/* ------------------------------------------------------------------------ */
+/* Memory                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Allocates `size` bytes of device memory on the current device, aligned to
+ * 256 bytes. size 0 succeeds with *devPtr = NULL. Past the device's capacity:
+ * kilnErrorMemoryAllocation (message: requested, free, total); the same code
+ * if the host cannot provide the memory. Capacity is charged in 256-byte
+ * units (kilnMemGetInfo reports what is left). The memory is not
+ * initialised. */
+KILN_API kilnError_t kilnMalloc(void** devPtr, size_t size);
+
+/* Frees memory from kilnMalloc. NULL is a no-op. Like cudaFree it first waits
+ * for the work already launched — on every device, since a peer copy or a
+ * task on another device's stream may use this memory — so no pending task
+ * can touch freed memory (sticky errors are left to the streams). A pointer
+ * that is not live (freed twice, interior, or never from kilnMalloc) fails
+ * with kilnErrorInvalidDevicePointer and changes nothing. */
+KILN_API kilnError_t kilnFree(void* devPtr);
+
+/* Page-locked ("pinned") host memory: host memory the device can copy to and
+ * from asynchronously. Not counted against device capacity. size 0 gives
+ * NULL. kilnFreeHost waits for the work already launched on every device (an
+ * asynchronous copy may still use the memory) and rejects pointers not from
+ * kilnMallocHost with kilnErrorInvalidValue. */
+KILN_API kilnError_t kilnMallocHost(void** ptr, size_t size);
+KILN_API kilnError_t kilnFreeHost(void* ptr);
+
+typedef enum kilnMemoryType {
+  kilnMemoryTypeUnregistered = 0, /* ordinary (pageable) host memory */
+  kilnMemoryTypeHost = 1,         /* from kilnMallocHost             */
+  kilnMemoryTypeDevice = 2        /* from kilnMalloc                 */
+} kilnMemoryType;
+
+typedef struct kilnPointerAttributes {
+  kilnMemoryType type;
+  int device;          /* owning device for device memory, else -1          */
+  void* basePointer;   /* start of the allocation containing the pointer    */
+  size_t allocationSize; /* size of that allocation in bytes (0 if unknown) */
+} kilnPointerAttributes;
+
+/* Describes any pointer, including interior pointers of an allocation. An
+ * unknown pointer succeeds with type kilnMemoryTypeUnregistered (as CUDA 11+). */
+KILN_API kilnError_t kilnPointerGetAttributes(kilnPointerAttributes* attributes,
+                                             const void* ptr);
+
+/* ------------------------------------------------------------------------ */
+/* Streams, tasks and events                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kilnStream_st* kilnStream_t;
+typedef struct kilnEvent_st* kilnEvent_t;
+
+/* The default stream of `device`. It exists for the life of the process and
+ * cannot be destroyed. */
+KILN_API kilnError_t kilnStreamGetDefault(kilnStream_t* stream, int device);
+
+/* Creates a stream on the current device. Priority is clamped to the range of
+ * kilnDeviceGetStreamPriorityRange. flags must be 0. */
+KILN_API kilnError_t kilnStreamCreate(kilnStream_t* stream);
+KILN_API kilnError_t kilnStreamCreateWithPriority(kilnStream_t* stream,
+                                                 unsigned int flags,
+                                                 int priority);
+
+/* Waits for the stream's pending work, then destroys it. Destroying a default
+ * stream fails with kilnErrorInvalidResourceHandle. If the stream holds a
+ * sticky error nobody has synchronised on, it is returned here (once) and the
+ * stream is destroyed anyway. */
+KILN_API kilnError_t kilnStreamDestroy(kilnStream_t stream);
+
+/* kilnSuccess when all work launched so far has finished, kilnErrorNotReady
+ * while some is pending, or the stream's sticky error (which is then cleared,
+ * so the stream works again). */
+KILN_API kilnError_t kilnStreamQuery(kilnStream_t stream);
+
+/* Blocks until all work launched on the stream before this call has finished.
+ * Returns and clears the stream's sticky error, if any. */
+KILN_API kilnError_t kilnStreamSynchronize(kilnStream_t stream);
+
+/* Makes all work launched on `stream` after this call wait until the work
+ * captured by the most recent kilnEventRecord of `event` has finished. An
+ * event never recorded is already complete. flags must be 0. Works across
+ * devices. */
+KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event,
+                                        unsigned int flags);
+
+KILN_API kilnError_t kilnStreamGetDevice(kilnStream_t stream, int* device);
+KILN_API kilnError_t kilnStreamGetPriority(kilnStream_t stream, int* priority);
+
+/* A task: device work. Returns kilnSuccess, or an error code after describing
+ * the failure with kilnTaskSetErrorMessage(). */
+typedef kilnError_t (*kilnTaskFn_t)(void* userData);
+/* Releases a task's userData. Called exactly once per launch attempt. */
+typedef void (*kilnTaskReleaseFn_t)(void* userData);
+
+/* Enqueues `fn(userData)` on `stream`; it runs after all work launched on the
+ * stream before it. `name` (may be NULL) names the task in error messages and
+ * must stay valid until `release` has been called.
+ *
+ * If fn fails, the stream records a sticky error
+ * (kilnErrorLaunchFailure, message "<name>: <task message>"); tasks launched
+ * later on that stream are skipped until the error has been returned by
+ * kilnStreamSynchronize, kilnStreamQuery or kilnDeviceSynchronize. Event
+ * records and waits still take effect on a stream in error, so other streams
+ * never wait forever.
+ *
+ * `release(userData)` (if not NULL) is called exactly once, after fn has run
+ * or been skipped, on whichever thread ran or skipped it. If this call returns
+ * an error, the task was not enqueued (or, with KILN_LAUNCH_BLOCKING=1, it ran
+ * and failed) and release has already been called.
+ *
+ * Inside fn (and release) the task may launch work, record events and query,
+ * but a call that would wait for the task's own stream — kilnStreamSynchronize
+ * or kilnStreamDestroy of it, kilnDeviceSynchronize of its device, kilnFree,
+ * kilnFreeHost, a synchronous copy on it, kilnEventSynchronize of a record
+ * queued behind it — fails with kilnErrorNotPermitted instead of deadlocking.
+ * A C++ exception escaping fn counts as a failure with the exception's
+ * message; it does not cross the runtime. */
+KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn,
+                                   kilnTaskReleaseFn_t release, void* userData,
+                                   const char* name);
+
+/* Called by a running task to describe its failure before returning an error
+ * code. The text is copied. Outside a task it does nothing. */
+KILN_API void kilnTaskSetErrorMessage(const char* message);
+
+/* 1 if tasks run on the calling thread at launch (KILN_LAUNCH_BLOCKING=1),
+ * else 0. */
+KILN_API kilnError_t kilnGetLaunchBlocking(int* blocking);
+
+enum {
+  kilnEventDefault = 0x0,
+  kilnEventBlockingSync = 0x1, /* accepted; the reference device always blocks */
+  kilnEventDisableTiming = 0x2
+};
+
+KILN_API kilnError_t kilnEventCreate(kilnEvent_t* event);
+KILN_API kilnError_t kilnEventCreateWithFlags(kilnEvent_t* event,
+                                             unsigned int flags);
+
+/* Destroys an event. Safe while a record of it is still pending; streams
+ * already waiting on it are released when that record completes. */
+KILN_API kilnError_t kilnEventDestroy(kilnEvent_t event);
+
+/* Captures the work launched on `stream` so far. When that work has finished
+ * the event completes and takes the device's clock as its timestamp. A later
+ * record replaces the earlier one. */
+KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream);
+
+/* kilnSuccess if the most recent record has completed (or the event was never
+ * recorded), kilnErrorNotReady otherwise. */
+KILN_API kilnError_t kilnEventQuery(kilnEvent_t event);
+
+/* Blocks until the most recent record has completed. */
+KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event);
+
+/* Milliseconds between the completions of `start` and `end` (may be negative
+ * if end completed first). Both must have been recorded with timing enabled:
+ * otherwise kilnErrorInvalidResourceHandle; kilnErrorNotReady if either record
+ * is still pending. */
+KILN_API kilnError_t kilnEventElapsedTime(float* ms, kilnEvent_t start,
+                                         kilnEvent_t end);
+
+/* ------------------------------------------------------------------------ */
+/* Copies                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kilnMemcpyKind {
+  kilnMemcpyHostToHost = 0,
+  kilnMemcpyHostToDevice = 1,
+  kilnMemcpyDeviceToHost = 2,
+  kilnMemcpyDeviceToDevice = 3,
+  kilnMemcpyDefault = 4 /* inferred from the pointers */
+} kilnMemcpyKind;
+
+/* Copies `count` bytes, ordered on `stream`. Every device range must lie
+ * inside one live allocation (else kilnErrorInvalidValue naming the range and
+ * the allocation), and the pointers must match `kind`.
+ *   - HostToDevice from pageable memory: the source is read before the call
+ *     returns (staged), so the caller may reuse it at once. From pinned
+ *     memory (kilnMallocHost) the copy is fully asynchronous.
+ *   - DeviceToHost into pageable memory: returns after the copy is done
+ *     (synchronous, as CUDA). Into pinned memory: asynchronous.
+ *   - DeviceToDevice: the source may be on another device (a peer copy); the
+ *     caller orders the source device's work (record an event there and make
+ *     `stream` wait on it).
+ * count 0 is a no-op. A copy that returns only when done (pageable
+ * destination, or kilnMemcpy) and was skipped because an earlier task on its
+ * stream failed returns that sticky error (see kilnLaunchTask). */
+KILN_API kilnError_t kilnMemcpyAsync(void* dst, const void* src, size_t count,
+                                    kilnMemcpyKind kind, kilnStream_t stream);
+
+/* As kilnMemcpyAsync on the default stream of the device that owns the device
+ * pointer (the destination's for DeviceToDevice, the current device's for
+ * HostToHost), then waits for the copy. */
+KILN_API kilnError_t kilnMemcpy(void* dst, const void* src, size_t count,
+                               kilnMemcpyKind kind);
+
+/* Copies `count` bytes from device srcDevice to device dstDevice, ordered on
+ * `stream` (which must belong to dstDevice or srcDevice). */
+KILN_API kilnError_t kilnMemcpyPeerAsync(void* dst, int dstDevice,
+                                        const void* src, int srcDevice,
+                                        size_t count, kilnStream_t stream);
+
+/* Sets `count` bytes of device memory to the byte `value`, ordered on
+ * `stream`. */
+KILN_API kilnError_t kilnMemsetAsync(void* devPtr, int value, size_t count,
+                                    kilnStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KILN_RUNTIME_H_ */

@@ -1,0 +1,555 @@
+// stream.cc — in-order streams: the queue, the worker thread, sticky errors,
+// blocking mode, and the stream and task-launch API.
+//
+// Why one worker thread per stream: it gives exactly the semantics of a
+// hardware queue (entries of a stream run in order, streams run concurrently)
+// with no scheduler to get wrong. Why a ring buffer of plain Entry structs:
+// launching is the hot path of eager PyTorch (one launch per op), so a launch
+// is one short critical section that copies ~100 bytes and allocates nothing
+// once the ring has grown to the stream's working depth.
+//
+// Note [Stream sequence numbers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every entry gets seq = ++submitted_ when it is enqueued (under mu_), and the
+// thread that runs it publishes completed_ = seq afterwards (release), so
+// "all work launched before this call has finished" is the lock-free test
+// completed_ >= the value of submitted_ read at the call. Synchronisation
+// therefore never waits for work other threads launch after it started, and
+// the worker's writes to device memory happen-before the waiter's return
+// (acquire on completed_). Both counters are monotonic over the life of the
+// Stream object, across kilnStreamDestroy and reuse from the pool, so a stale
+// waiter can never see them go backwards.
+//
+// Note [Worker spinning]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Waking a thread blocked on a condition variable costs tens of microseconds
+// (futex wake, scheduler, cache refill), far more than a small op. So a worker
+// that ran out of entries polls submitted_ for kWorkerSpinNs before it sleeps,
+// and a synchronising thread polls completed_ for kWaitSpinNs before it
+// sleeps (see SpinUntil: pause instructions for 2 us, then sched_yield so an
+// oversubscribed host still runs the thread we wait for). 20 us covers the
+// gap between two ops launched from Python's eager loop (5-20 us of
+// interpreter and dispatcher work each), so a busy stream does not sleep
+// between ops; an idle one stops burning its core after 20 us. A launch onto a sleeping worker notifies it after
+// releasing mu_ and only then (worker_sleeping_), so a launch onto a busy or
+// spinning stream makes no system call. The worker only takes mu_ to notify
+// when a waiter has announced itself in sync_waiters_; the announcement and
+// the completion are both seq_cst so one of the two threads always sees the
+// other (no lost wake-up).
+//
+// Note [Sticky stream errors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When a task fails, its stream records kilnErrorLaunchFailure with the
+// message "<task name>: <task message>" (sticky_code_, sticky_message_). From
+// then on task, copy and memset entries are skipped — they would run on data
+// the failed task was meant to produce — but their release functions and
+// staging buffers are still dealt with, exactly once. Event records and waits
+// are control entries and always take effect, so a stream waiting on an event
+// recorded on the failed stream is released instead of hanging forever.
+//
+// The error is reported once, by the next kilnStreamSynchronize,
+// kilnStreamQuery or kilnDeviceSynchronize, which also clears it so the stream
+// works again. Entries launched before the error was reported belong to the
+// failed sequence and are skipped even if they run after it (a query can
+// report the error while some are still queued): reporting stores
+// skip_until_ = submitted_ before clearing sticky_code_ (release), and the
+// runner checks sticky_code_ (acquire) and then skip_until_. Only the first
+// failure is kept; later entries are skipped, so none can fail.
+//
+// Note [Launch blocking]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// With KILN_LAUNCH_BLOCKING=1 no worker threads are started: Submit runs each
+// entry on the calling thread, holding the stream's inline_mu_ so entries of
+// one stream still run one at a time and in order. A failing task fails its
+// own kilnLaunchTask with kilnErrorLaunchFailure and the task's message, and
+// is not made sticky (the error has been reported). inline_mu_ is recursive
+// because a task may launch onto its own stream; completed_ is advanced with a
+// max so a nested entry finishing first does not move it backwards.
+#include <pthread.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <system_error>
+
+#include "runtime_internal.h"
+
+namespace kiln {
+
+thread_local Stream* t_running_stream = nullptr;
+
+namespace {
+
+constexpr int64_t kWorkerSpinNs = 20'000;
+constexpr int64_t kWaitSpinNs = 20'000;
+constexpr size_t kInitialRing = 64;
+
+// The failure message a running task sets with kilnTaskSetErrorMessage.
+struct TaskContext {
+  std::string message;
+};
+thread_local TaskContext* t_task = nullptr;
+
+std::string TaskFailureMessage(const char* name, kilnError_t code, const std::string& message) {
+  std::string out = name != nullptr ? name : "unnamed task";
+  out += ": ";
+  if (message.empty())
+    out += StrFormat("failed with %s (the task set no message)", kilnGetErrorName(code));
+  else
+    out += message;
+  return out;
+}
+
+// Runs fn(user) with a task context; returns its code and fills *message on
+// failure. A C++ exception escaping the task is a failure, not a crash.
+kilnError_t RunTaskFn(const Entry& e, std::string* message) {
+  TaskContext ctx;
+  TaskContext* outer = t_task;
+  t_task = &ctx;
+  kilnError_t code = kilnErrorUnknown;
+  try {
+    code = e.fn(e.user);
+  } catch (const std::exception& ex) {
+    try {
+      ctx.message = std::string("threw an exception: ") + ex.what();
+    } catch (...) {  // out of memory while describing it: keep the code
+    }
+  } catch (...) {
+    try {
+      ctx.message = "threw an exception of unknown type";
+    } catch (...) {
+    }
+  }
+  t_task = outer;
+  if (code != kilnSuccess) {
+    try {
+      *message = TaskFailureMessage(e.name, code, ctx.message);
+    } catch (...) {
+    }
+  }
+  return code;
+}
+
+}  // namespace
+
+// --- Lifecycle ---------------------------------------------------------------
+
+kilnError_t Stream::Activate(int device, int priority, bool is_default, bool blocking) {
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ring_.empty()) ring_.resize(kInitialRing);
+    sticky_message_.clear();
+    skip_until_.store(submitted_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    sticky_code_.store(kilnSuccess, std::memory_order_relaxed);
+  } catch (const std::bad_alloc&) {
+    return Fail(kilnErrorMemoryAllocation, "out of host memory for a new stream's queue");
+  }
+  device_.store(device, std::memory_order_relaxed);
+  priority_.store(priority, std::memory_order_relaxed);
+  is_default_.store(is_default, std::memory_order_relaxed);
+  blocking_.store(blocking, std::memory_order_relaxed);
+  if (!blocking && !worker_started_) {
+    try {
+      std::thread([this] { WorkerLoop(); }).detach();  // See Note [Leaked singletons]
+    } catch (const std::system_error& e) {
+      return Fail(kilnErrorMemoryAllocation, "could not start a worker thread for a new stream: %s",
+                  e.what());
+    }
+    worker_started_ = true;
+  }
+  alive_.store(true, std::memory_order_release);
+  return kilnSuccess;
+}
+
+bool Stream::Deactivate() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!alive_.load(std::memory_order_relaxed)) return false;
+  alive_.store(false, std::memory_order_release);
+  return true;
+}
+
+// --- Submission ----------------------------------------------------------------
+
+void Stream::GrowRing() {
+  const size_t old_size = ring_.size();
+  std::vector<Entry> bigger(old_size * 2);
+  for (uint64_t i = head_; i < tail_; ++i) bigger[i & (bigger.size() - 1)] = ring_[i & (old_size - 1)];
+  ring_.swap(bigger);
+}
+
+kilnError_t Stream::Submit(Entry& e, uint64_t* seq, bool* consumed) {
+  if (blocking_.load(std::memory_order_relaxed)) return SubmitInline(e, seq, consumed);
+
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!alive_.load(std::memory_order_relaxed))
+    return Fail(kilnErrorInvalidResourceHandle, "the stream was destroyed");
+  if (tail_ - head_ == ring_.size()) {
+    try {
+      GrowRing();
+    } catch (const std::bad_alloc&) {
+      return Fail(kilnErrorMemoryAllocation, "out of host memory for the stream's queue (%llu entries)",
+                  static_cast<unsigned long long>(tail_ - head_));
+    }
+  }
+  const uint64_t s = submitted_.load(std::memory_order_relaxed) + 1;
+  e.seq = s;
+  ring_[tail_ & (ring_.size() - 1)] = e;
+  ++tail_;
+  submitted_.store(s, std::memory_order_release);
+  const bool wake = worker_sleeping_;
+  worker_sleeping_ = false;
+  lock.unlock();
+  if (wake) work_cv_.notify_one();  // the Stream is never freed: safe after unlock
+  if (seq != nullptr) *seq = s;
+  if (consumed != nullptr) *consumed = true;
+  return kilnSuccess;
+}
+
+// See Note [Launch blocking].
+kilnError_t Stream::SubmitInline(Entry& e, uint64_t* seq, bool* consumed) {
+  std::lock_guard<std::recursive_mutex> serial(inline_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!alive_.load(std::memory_order_relaxed))
+      return Fail(kilnErrorInvalidResourceHandle, "the stream was destroyed");
+    e.seq = submitted_.load(std::memory_order_relaxed) + 1;
+    submitted_.store(e.seq, std::memory_order_release);
+  }
+  if (consumed != nullptr) *consumed = true;
+  if (seq != nullptr) *seq = e.seq;
+  Stream* outer = t_running_stream;
+  t_running_stream = this;
+  std::string message;
+  const kilnError_t result = Run(e, &message);
+  t_running_stream = outer;
+  PublishCompleted(e.seq);
+  if (result != kilnSuccess) return FailVerbatim(kilnErrorLaunchFailure, message);
+  return kilnSuccess;
+}
+
+// --- Execution -------------------------------------------------------------------
+
+void Stream::WorkerLoop() {
+  pthread_setname_np(pthread_self(), "kiln-stream");
+  t_running_stream = this;  // everything this thread runs is this stream's work
+  std::string message;
+  Entry e;
+  for (;;) {
+    Pop(&e);
+    message.clear();
+    if (Run(e, &message) != kilnSuccess) SetSticky(std::move(message));
+    PublishCompleted(e.seq);
+  }
+}
+
+void Stream::Pop(Entry* e) {
+  // See Note [Worker spinning]. completed_ is the last entry this thread ran,
+  // so submitted_ > completed_ means an entry is waiting in the ring.
+  SpinUntil(
+      [this] {
+        return submitted_.load(std::memory_order_acquire) > completed_.load(std::memory_order_relaxed);
+      },
+      kWorkerSpinNs);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (head_ == tail_) {
+    worker_sleeping_ = true;
+    work_cv_.wait(lock);
+  }
+  *e = ring_[head_ & (ring_.size() - 1)];
+  ++head_;
+}
+
+bool Stream::ShouldSkip(uint64_t seq) const {
+  // Order matters: see Note [Sticky stream errors].
+  if (sticky_code_.load(std::memory_order_acquire) != kilnSuccess) return true;
+  return seq <= skip_until_.load(std::memory_order_relaxed);
+}
+
+kilnError_t Stream::Run(Entry& e, std::string* message) {
+  switch (e.kind) {
+    case EntryKind::kTask: {
+      kilnError_t result = kilnSuccess;
+      if (!ShouldSkip(e.seq) && RunTaskFn(e, message) != kilnSuccess) result = kilnErrorLaunchFailure;
+      if (e.release != nullptr) e.release(e.user);
+      return result;
+    }
+    case EntryKind::kCopy: {
+      const bool skip = ShouldSkip(e.seq);
+      if (!skip) std::memmove(e.dst, e.src, e.count);
+      if (e.outcome != nullptr) *e.outcome = skip ? CopyOutcome::kSkipped : CopyOutcome::kDone;
+      std::free(e.staging);
+      return kilnSuccess;
+    }
+    case EntryKind::kMemset:
+      if (!ShouldSkip(e.seq)) std::memset(e.dst, e.value, e.count);
+      return kilnSuccess;
+    case EntryKind::kRecord:
+      CompleteEventRecord(e.event, e.gen, this, e.seq);
+      return kilnSuccess;
+    case EntryKind::kWait:
+      WaitEventGeneration(e.event, e.gen);
+      return kilnSuccess;
+  }
+  return kilnSuccess;
+}
+
+void Stream::SetSticky(std::string message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sticky_code_.load(std::memory_order_relaxed) != kilnSuccess) return;
+  sticky_message_.swap(message);
+  sticky_code_.store(kilnErrorLaunchFailure, std::memory_order_release);
+}
+
+void Stream::AdvanceCompleted(uint64_t seq) {
+  uint64_t current = completed_.load(std::memory_order_relaxed);
+  while (current < seq &&
+         !completed_.compare_exchange_weak(current, seq, std::memory_order_seq_cst,
+                                           std::memory_order_relaxed)) {
+  }
+}
+
+void Stream::PublishCompleted(uint64_t seq) {
+  AdvanceCompleted(seq);
+  // See Note [Worker spinning] for why this cannot lose a wake-up.
+  if (sync_waiters_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_cv_.notify_all();
+  }
+}
+
+// --- Waiting and errors ------------------------------------------------------------
+
+void Stream::WaitFor(uint64_t seq) {
+  if (SpinUntil([&] { return completed_.load(std::memory_order_acquire) >= seq; }, kWaitSpinNs))
+    return;
+  sync_waiters_.fetch_add(1, std::memory_order_seq_cst);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return completed_.load(std::memory_order_seq_cst) >= seq; });
+  }
+  sync_waiters_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+kilnError_t Stream::CheckNotSelf() const {
+  if (t_running_stream != this) return kilnSuccess;
+  return Fail(kilnErrorNotPermitted,
+              "called from inside a task running on the stream it would wait for; the wait "
+              "would include the calling task itself and never end");
+}
+
+kilnError_t Stream::TakeStickyError() {
+  if (sticky_code_.load(std::memory_order_acquire) == kilnSuccess) return kilnSuccess;
+  kilnError_t code;
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    code = static_cast<kilnError_t>(sticky_code_.load(std::memory_order_relaxed));
+    if (code == kilnSuccess) return kilnSuccess;  // another thread reported it
+    message.swap(sticky_message_);
+    const uint64_t upto = submitted_.load(std::memory_order_relaxed);
+    if (upto > skip_until_.load(std::memory_order_relaxed))
+      skip_until_.store(upto, std::memory_order_relaxed);
+    sticky_code_.store(kilnSuccess, std::memory_order_release);
+  }
+  return FailVerbatim(code, message);
+}
+
+void Stream::DiscardStickyError() {
+  std::lock_guard<std::mutex> lock(mu_);
+  sticky_message_.clear();
+  skip_until_.store(submitted_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  sticky_code_.store(kilnSuccess, std::memory_order_release);
+}
+
+// --- Handles -------------------------------------------------------------------------
+
+kilnError_t ResolveStream(Runtime& rt, kilnStream_t handle, Stream** out) {
+  if (handle == nullptr) {
+    const int d = t_current_device;
+    if (kilnError_t err = CheckDevice(rt, d)) return err;
+    return GetDefaultStream(rt, d, out);
+  }
+  if (!rt.stream_pool.Contains(handle))
+    return Fail(kilnErrorInvalidResourceHandle,
+                "%p is not a stream (use a handle from kilnStreamCreate or kilnStreamGetDefault, "
+                "or NULL for the current device's default stream)",
+                static_cast<void*>(handle));
+  auto* s = reinterpret_cast<Stream*>(handle);
+  if (!s->alive())
+    return Fail(kilnErrorInvalidResourceHandle, "stream %p has been destroyed",
+                static_cast<void*>(handle));
+  *out = s;
+  return kilnSuccess;
+}
+
+namespace {
+
+kilnError_t CreateStream(Runtime& rt, kilnStream_t* stream, unsigned int flags, int priority) {
+  if (stream == nullptr) return Fail(kilnErrorInvalidValue, "stream is NULL");
+  if (flags != 0) return Fail(kilnErrorInvalidValue, "flags must be 0 (got %u)", flags);
+  int d = 0;
+  if (kilnError_t err = CurrentDevice(rt, &d)) return err;
+  if (priority < kStreamPriorityHighest) priority = kStreamPriorityHighest;
+  if (priority > kStreamPriorityLowest) priority = kStreamPriorityLowest;
+
+  Stream* s = rt.stream_pool.Acquire();
+  if (kilnError_t err = s->Activate(d, priority, /*is_default=*/false, rt.config.launch_blocking)) {
+    rt.stream_pool.Release(s);
+    return err;
+  }
+  try {
+    Device& dev = rt.devices[d];
+    std::lock_guard<std::mutex> lock(dev.mu);
+    dev.streams.push_back(s);
+  } catch (...) {
+    s->Deactivate();
+    rt.stream_pool.Release(s);
+    throw;
+  }
+  *stream = reinterpret_cast<kilnStream_t>(s);
+  return kilnSuccess;
+}
+
+}  // namespace
+}  // namespace kiln
+
+using kiln::ApiCall;
+using kiln::Fail;
+using kiln::Runtime;
+using kiln::Stream;
+
+extern "C" {
+
+KILN_API kilnError_t kilnStreamGetDefault(kilnStream_t* stream, int device) {
+  return ApiCall("kilnStreamGetDefault", [&](Runtime& rt) {
+    if (stream == nullptr) return Fail(kilnErrorInvalidValue, "stream is NULL");
+    if (kilnError_t err = kiln::CheckDevice(rt, device)) return err;
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::GetDefaultStream(rt, device, &s)) return err;
+    *stream = reinterpret_cast<kilnStream_t>(s);
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnStreamCreate(kilnStream_t* stream) {
+  return ApiCall("kilnStreamCreate",
+                 [&](Runtime& rt) { return kiln::CreateStream(rt, stream, 0, kiln::kStreamPriorityLowest); });
+}
+
+KILN_API kilnError_t kilnStreamCreateWithPriority(kilnStream_t* stream, unsigned int flags,
+                                                  int priority) {
+  return ApiCall("kilnStreamCreateWithPriority",
+                 [&](Runtime& rt) { return kiln::CreateStream(rt, stream, flags, priority); });
+}
+
+KILN_API kilnError_t kilnStreamDestroy(kilnStream_t stream) {
+  return ApiCall("kilnStreamDestroy", [&](Runtime& rt) {
+    if (stream == nullptr)
+      return Fail(kilnErrorInvalidResourceHandle,
+                  "NULL names the current device's default stream, which cannot be destroyed");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    if (s->is_default())
+      return Fail(kilnErrorInvalidResourceHandle,
+                  "stream %p is the default stream of kiln device %d; default streams live for "
+                  "the whole process and cannot be destroyed",
+                  static_cast<void*>(stream), s->device());
+    if (kilnError_t err = s->CheckNotSelf()) return err;
+    if (!s->Deactivate())
+      return Fail(kilnErrorInvalidResourceHandle, "stream %p has been destroyed",
+                  static_cast<void*>(stream));
+    s->WaitFor(s->submitted());
+    // A failure nobody synchronised on is still reported, once, here.
+    const kilnError_t sticky = s->TakeStickyError();
+    {
+      kiln::Device& dev = rt.devices[s->device()];
+      std::lock_guard<std::mutex> lock(dev.mu);
+      for (auto it = dev.streams.begin(); it != dev.streams.end(); ++it) {
+        if (*it == s) {
+          dev.streams.erase(it);
+          break;
+        }
+      }
+    }
+    rt.stream_pool.Release(s);
+    return sticky;
+  });
+}
+
+KILN_API kilnError_t kilnStreamQuery(kilnStream_t stream) {
+  return ApiCall("kilnStreamQuery", [&](Runtime& rt) {
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    if (kilnError_t err = s->TakeStickyError()) return err;
+    return s->Idle() ? kilnSuccess : kilnErrorNotReady;
+  });
+}
+
+KILN_API kilnError_t kilnStreamSynchronize(kilnStream_t stream) {
+  return ApiCall("kilnStreamSynchronize", [&](Runtime& rt) {
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    if (kilnError_t err = s->CheckNotSelf()) return err;
+    s->WaitFor(s->submitted());
+    return s->TakeStickyError();
+  });
+}
+
+KILN_API kilnError_t kilnStreamGetDevice(kilnStream_t stream, int* device) {
+  return ApiCall("kilnStreamGetDevice", [&](Runtime& rt) {
+    if (device == nullptr) return Fail(kilnErrorInvalidValue, "device is NULL");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    *device = s->device();
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnStreamGetPriority(kilnStream_t stream, int* priority) {
+  return ApiCall("kilnStreamGetPriority", [&](Runtime& rt) {
+    if (priority == nullptr) return Fail(kilnErrorInvalidValue, "priority is NULL");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    *priority = s->priority();
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn, kilnTaskReleaseFn_t release,
+                                    void* userData, const char* name) {
+  bool consumed = false;  // true once the entry (and so release) belongs to the stream
+  const kilnError_t result = ApiCall("kilnLaunchTask", [&](Runtime& rt) {
+    if (fn == nullptr) return Fail(kilnErrorInvalidValue, "fn is NULL (task %s)", name ? name : "unnamed");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    kiln::Entry e;
+    e.kind = kiln::EntryKind::kTask;
+    e.fn = fn;
+    e.release = release;
+    e.user = userData;
+    e.name = name;
+    return s->Submit(e, nullptr, &consumed);
+  });
+  if (!consumed && release != nullptr) release(userData);
+  return result;
+}
+
+KILN_API void kilnTaskSetErrorMessage(const char* message) {
+  if (kiln::g_forked_child.load(std::memory_order_relaxed)) return;
+  kiln::TaskContext* ctx = kiln::t_task;
+  if (ctx == nullptr) return;
+  try {
+    ctx->message = message != nullptr ? message : "";
+  } catch (...) {
+  }
+}
+
+KILN_API kilnError_t kilnGetLaunchBlocking(int* blocking) {
+  return ApiCall("kilnGetLaunchBlocking", [&](Runtime& rt) {
+    if (blocking == nullptr) return Fail(kilnErrorInvalidValue, "blocking is NULL");
+    *blocking = rt.config.launch_blocking ? 1 : 0;
+    return kilnSuccess;
+  });
+}
+
+}  // extern "C"
