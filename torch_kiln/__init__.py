@@ -1,0 +1,37 @@
+"""Kiln: an open, native PyTorch backend for AI accelerators.
+
+Importing ``torch`` loads Kiln automatically (through the ``torch.backends``
+entry point), after which ``"kiln"`` is a PyTorch device like ``"cuda"``::
+
+    import torch
+    x = torch.randn(4, 4, device="kiln")
+    y = (x @ x).relu().cpu()
+
+With ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` the automatic load is off; then
+``import torch_kiln`` does the same registration.
+
+The device API mirrors ``torch.cuda`` and lives in ``torch.kiln``
+(``torch_kiln/kiln/``); ``torch.accelerator`` works unchanged.
+"""
+
+import torch
+
+# Loading the extension registers the kiln device with PyTorch's C++ core:
+# device guard, hooks, allocators and kernels for DeviceType::PrivateUse1.
+from torch_kiln import _C  # noqa: F401
+
+torch.utils.rename_privateuse1_backend("kiln")
+
+from torch_kiln import kiln  # noqa: E402  (needs the backend name above)
+
+torch._register_device_module("kiln", kiln)
+torch.utils.generate_methods_for_privateuse1_backend(
+    for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+)
+
+__all__ = ["kiln"]
+
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing this package
+    is the whole registration, so there is nothing left to do here."""

@@ -1,0 +1,271 @@
+// Copies between kiln tensors and the host or another kiln device
+// (aten::_copy_from, which copy_ calls when either side is kiln), and
+// reading a single element back (aten::_local_scalar_dense, behind item()).
+#include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/CachingHostAllocator.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "aten/KilnTask.h"
+#include "aten/OpTracking.h"
+#include "aten/TensorAliases.h"
+#include "core/KilnEvent.h"
+#include "core/KilnException.h"
+#include "core/KilnStream.h"
+
+namespace at::kiln {
+
+// Note [Kiln copies]
+// ~~~~~~~~~~~~~~~~~~
+// A copy is a raw byte transfer (kilnMemcpy*) when both sides hold the same
+// dtype in the same dense layout; otherwise the conversion (dtype cast,
+// transposition, broadcast of a stride-0 view, conj/neg bits) is done by
+// ATen's CPU copy_ — on the host for host->device copies, as a task on the
+// device for device->host and device->device copies — with a dense staging
+// tensor in between. Either way the values are exactly CPU's, and no copy
+// reads a byte outside the source tensor's elements.
+//
+// Synchronization follows CUDA: a copy to pageable host memory, or any copy
+// to the host with non_blocking=False, waits for the stream (and counts as a
+// sync op). Host->device copies never wait: the runtime stages pageable
+// sources at the call, so the caller may reuse them at once. With
+// non_blocking=True and pinned host memory (pin_memory()), both directions
+// are asynchronous; the pinned block is kept from reuse until the copy ran
+// (CachingHostAllocator record_event).
+
+namespace {
+
+using c10::kiln::KilnEvent;
+using c10::kiln::KilnStream;
+
+bool hasBits(const at::Tensor& t) {
+  return t.is_conj() || t.is_neg();
+}
+
+// Same strides on every dimension of size > 1.
+bool sameStrides(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != b.dim()) {
+    return false;
+  }
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// `src` can be byte-copied into `dst`: same dtype, both dense with the same
+// layout, no lazy conj/neg bits.
+bool byteCopyable(const at::Tensor& src, const at::Tensor& dst) {
+  return src.dtype() == dst.dtype() && !hasBits(src) && !hasBits(dst) &&
+      src.is_non_overlapping_and_dense() && dst.is_non_overlapping_and_dense() &&
+      sameStrides(src, dst);
+}
+
+size_t denseBytes(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.dtype().itemsize();
+}
+
+// Defensive: a byte range we are about to copy lies inside the tensor's
+// storage. Violations are Kiln bugs, not user errors.
+void checkSpanInStorage(const at::Tensor& t, size_t bytes) {
+  const size_t begin = static_cast<size_t>(t.storage_offset()) * t.dtype().itemsize();
+  TORCH_INTERNAL_ASSERT(
+      begin + bytes <= t.storage().nbytes(), "copy span [", begin, ", ", begin + bytes,
+      ") exceeds the storage of ", t.storage().nbytes(), " bytes");
+}
+
+bool isPinned(const at::Tensor& t) {
+  kilnPointerAttributes attributes{};
+  return t.data_ptr() != nullptr &&
+      kilnPointerGetAttributes(&attributes, t.data_ptr()) == kilnSuccess &&
+      attributes.type == kilnMemoryTypeHost;
+}
+
+// Keeps a pinned host block from reuse until work on `stream` so far is done.
+void protectPinned(const at::Tensor& host, const KilnStream& stream) {
+  const auto& data_ptr = host.storage().data_ptr();
+  at::getHostAllocator(at::kPrivateUse1)
+      ->record_event(data_ptr.get(), data_ptr.get_context(), stream.unwrap());
+}
+
+// dst = src on the device, by ATen's CPU copy_ run as a task on `stream`.
+void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnStream& stream) {
+  TensorAliaser aliaser(c10::kCPU);
+  launchTask(stream, "aten::copy_",
+             [d = aliaser.alias(dst), s = aliaser.alias(src)]() mutable { d.copy_(s); });
+}
+
+at::Tensor emptyLike(const at::Tensor& layout_source, c10::ScalarType dtype, c10::Device device,
+                     bool keep_strides) {
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  return keep_strides
+      ? at::empty_strided(layout_source.sizes(), layout_source.strides(), options)
+      : at::empty(layout_source.sizes(), options);
+}
+
+void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
+  const c10::DeviceGuard guard(dst.device());
+  const KilnStream stream = c10::kiln::getCurrentKilnStream(dst.device().index());
+  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
+  // A host tensor with exactly the bytes the device side needs.
+  at::Tensor staged = src;
+  if (!(dst_dense && byteCopyable(src, dst))) {
+    staged = emptyLike(dst, dst.scalar_type(), c10::kCPU, dst_dense);
+    staged.copy_(src);
+  }
+  const at::Tensor target = dst_dense ? dst : at::empty(dst.sizes(), dst.options());
+  const size_t bytes = denseBytes(target);
+  checkSpanInStorage(target, bytes);
+  KILN_CHECK(kilnMemcpyAsync(target.data_ptr(), staged.const_data_ptr(), bytes,
+                             kilnMemcpyHostToDevice, stream.stream()));
+  if (non_blocking && isPinned(staged)) {
+    protectPinned(staged, stream);
+  }
+  if (!target.is_same(dst)) {
+    launchDeviceCopy(dst, target, stream);
+  }
+}
+
+// `sync_op` names the op counted as a sync op when the copy waits.
+void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_blocking,
+                    const char* sync_op) {
+  const c10::DeviceGuard guard(src.device());
+  const KilnStream stream = c10::kiln::getCurrentKilnStream(src.device().index());
+  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
+  // A device tensor with exactly the bytes the host side needs.
+  at::Tensor packed = src;
+  if (!(dst_dense && byteCopyable(src, dst))) {
+    packed = emptyLike(dst, dst.scalar_type(), src.device(), dst_dense);
+    launchDeviceCopy(packed, src, stream);
+  }
+  const at::Tensor landing =
+      byteCopyable(packed, dst) ? dst : emptyLike(packed, packed.scalar_type(), c10::kCPU, true);
+  const size_t bytes = denseBytes(packed);
+  checkSpanInStorage(packed, bytes);
+  KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
+                             kilnMemcpyDeviceToHost, stream.stream()));
+  if (non_blocking && landing.is_same(dst) && isPinned(dst)) {
+    protectPinned(dst, stream);
+    return;
+  }
+  recordSyncOp(sync_op);
+  stream.synchronize();
+  if (!landing.is_same(dst)) {
+    dst.copy_(landing);
+  }
+}
+
+void copyBetweenKilnDevices(const at::Tensor& src, const at::Tensor& dst) {
+  const KilnStream src_stream = c10::kiln::getCurrentKilnStream(src.device().index());
+  const KilnStream dst_stream = c10::kiln::getCurrentKilnStream(dst.device().index());
+  // Source bytes in the destination's dtype, contiguous, on the source device.
+  at::Tensor packed = src;
+  if (!(src.is_contiguous() && src.dtype() == dst.dtype() && !hasBits(src))) {
+    const c10::DeviceGuard guard(src.device());
+    packed = at::empty(dst.sizes(), dst.options().device(src.device()));
+    launchDeviceCopy(packed, src, src_stream);
+  }
+  const bool dst_contiguous = dst.is_contiguous() && !hasBits(dst);
+  at::Tensor target = dst;
+  if (!dst_contiguous) {
+    const c10::DeviceGuard guard(dst.device());
+    target = at::empty(dst.sizes(), dst.options());
+  }
+  // As CUDA does for peer copies: the copy runs on the source stream after
+  // the destination stream's earlier work, and the destination stream's later
+  // work waits for the copy.
+  KilnEvent dst_ready;
+  dst_ready.record(dst_stream);
+  dst_ready.block(src_stream);
+  const size_t bytes = denseBytes(packed);
+  checkSpanInStorage(packed, bytes);
+  checkSpanInStorage(target, bytes);
+  KILN_CHECK(kilnMemcpyPeerAsync(target.data_ptr(), dst.device().index(), packed.const_data_ptr(),
+                                 src.device().index(), bytes, src_stream.stream()));
+  KilnEvent copy_done;
+  copy_done.record(src_stream);
+  copy_done.block(dst_stream);
+  if (!dst_contiguous) {
+    const c10::DeviceGuard guard(dst.device());
+    launchDeviceCopy(dst, target, dst_stream);
+  }
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const at::Tensor& src = self;
+  TORCH_CHECK(src.defined(), "copy_: the source tensor is undefined");
+  TORCH_CHECK(dst.defined(), "copy_: the destination tensor is undefined");
+  TORCH_CHECK(
+      (src.device().is_cpu() || src.device().is_privateuseone()) &&
+          (dst.device().is_cpu() || dst.device().is_privateuseone()),
+      "Kiln copies between kiln and cpu tensors only; cannot copy from ", src.device(), " to ",
+      dst.device(), ". Copy through the CPU first.");
+  recordExecutedOp("aten::_copy_from");
+  at::assert_no_internal_overlap(dst);
+  if (dst.numel() == 0) {
+    return dst;
+  }
+  const at::Tensor src_b = src.sizes().equals(dst.sizes()) ? src : src.expand(dst.sizes());
+  if (src_b.is_alias_of(dst) && src_b.data_ptr() == dst.data_ptr() &&
+      src_b.strides().equals(dst.strides()) && src_b.dtype() == dst.dtype() &&
+      src_b.is_conj() == dst.is_conj() && src_b.is_neg() == dst.is_neg()) {
+    return dst; // copying a tensor onto itself
+  }
+  at::assert_no_partial_overlap(dst, src_b);
+
+  if (src_b.device().is_cpu()) {
+    copyHostToKiln(src_b, dst, non_blocking);
+  } else if (dst.device().is_cpu()) {
+    copyKilnToHost(src_b, dst, non_blocking, "aten::_copy_from");
+  } else if (src_b.device() == dst.device()) {
+    const c10::DeviceGuard guard(dst.device());
+    launchDeviceCopy(dst, src_b, c10::kiln::getCurrentKilnStream(dst.device().index()));
+  } else {
+    copyBetweenKilnDevices(src_b, dst);
+  }
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  dst.resize_(self.sizes());
+  return copy_from(self, dst, /*non_blocking=*/false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  TORCH_CHECK(self.numel() == 1, "a Tensor with ", self.numel(),
+              " elements cannot be converted to Scalar");
+  recordExecutedOp("aten::_local_scalar_dense");
+  at::Tensor host = at::empty(self.sizes(), self.options().device(c10::kCPU));
+  copyKilnToHost(self, host, /*non_blocking=*/false, "aten::_local_scalar_dense");
+  return host.item();
+}
+
+} // namespace
+
+// PyTorch resolves lazy conj/neg bits of an op's inputs by cloning them
+// (the Conjugate/Negative fallbacks), and a clone of a kiln tensor is itself
+// a _copy_from: without these fallthroughs copying a conj view would recurse
+// forever. Kiln's copy handles the bits itself (ATen's CPU copy_ does).
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+}
+
+} // namespace at::kiln

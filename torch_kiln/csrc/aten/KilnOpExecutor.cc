@@ -1,0 +1,677 @@
+// The op executor: the boxed kernel that runs every ATen operator on kiln
+// tensors that has no dedicated kiln kernel.
+#include "aten/KilnOpExecutor.h"
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "aten/KilnTask.h"
+#include "aten/LayoutCache.h"
+#include "aten/OpSchemaInfo.h"
+#include "aten/OpTracking.h"
+#include "aten/TensorAliases.h"
+#include "core/KilnFunctions.h"
+#include "core/KilnGenerator.h"
+#include "core/KilnStorage.h"
+#include "core/KilnStream.h"
+
+namespace at::kiln {
+
+// Note [How an eager op runs on kiln]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The reference device's kernel library is ATen's CPU kernels, run inside a
+// task on a kiln stream over the device memory itself (device memory is host
+// memory there, see TensorAliases.h). For an op with kiln tensors:
+//
+//  1. Devices. All tensor arguments must be on one kiln device, as CUDA
+//     requires; 0-dim CPU tensors are accepted as scalars, and CPU index
+//     tensors of indexing ops are moved to the device (as CUDA does). Anything
+//     else raises PyTorch's "Expected all tensors to be on the same device".
+//  2. Layout, on the calling thread. The op's meta kernel runs on meta images
+//     of the arguments: it validates them (raising the same errors as CPU)
+//     and gives every output's sizes, strides and dtype. Fresh outputs are
+//     allocated on the device from the caching allocator; out= arguments the
+//     meta kernel resized are resized; views are built over the argument's
+//     storage. No device work has happened yet and the call can return.
+//  3. Work, on the stream. A task on the current stream runs the CPU kernel
+//     over host aliases of the arguments and outputs: the out= overload when
+//     the op has one (writing straight into the outputs), else the op itself
+//     followed by a copy into the outputs. Pure view ops launch nothing.
+//  4. Data-dependent ops (output sizes or returned values that depend on
+//     tensor values: nonzero, masked_select, unique, item, equal, ...), ops
+//     without a meta kernel, and reductions given an empty tensor (whose
+//     CPU kernels raise errors the meta kernels do not) run synchronously: the task runs, the
+//     calling thread waits, and outputs are copied into new kiln tensors.
+//     They are counted in torch.kiln.get_sync_ops() because each one stalls
+//     the device the way it would on a GPU.
+// Random ops run with the kiln generator's engine (Note [Kiln random numbers]).
+
+namespace {
+
+using c10::kiln::KilnStream;
+using torch::jit::Stack;
+
+std::string opName(const OpSchemaInfo& info) {
+  const auto& schema = *info.schema;
+  return schema.overload_name().empty() ? schema.name()
+                                        : schema.name() + "." + schema.overload_name();
+}
+
+template <typename F>
+void forEachTensorIn(const c10::IValue& value, ArgKind kind, F&& f) {
+  switch (kind) {
+    case ArgKind::Tensor:
+    case ArgKind::OptionalTensor:
+      if (value.isTensor()) {
+        f(value.toTensor());
+      }
+      break;
+    case ArgKind::TensorList:
+    case ArgKind::OptionalTensorList:
+      if (value.isList()) {
+        for (const c10::IValue& element : value.toListRef()) {
+          if (element.isTensor()) {
+            f(element.toTensor());
+          }
+        }
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+// ---------------------------------------------------------------- devices
+
+[[noreturn]] void raiseDeviceMismatch(const OpSchemaInfo& info, size_t arg,
+                                      const at::Tensor& tensor, c10::Device expected) {
+  TORCH_CHECK(
+      false, "Expected all tensors to be on the same device, but got ",
+      info.schema->arguments()[arg].name(), " is on ", tensor.device(),
+      ", different from other tensors on ", expected,
+      " (when checking argument in method ", opName(info), ")");
+}
+
+// Step 1 of Note [How an eager op runs on kiln]. May replace CPU index tensors
+// on the stack with kiln copies.
+c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) {
+  const size_t num_args = info.arg_kinds.size();
+  std::optional<c10::Device> device;
+  for (size_t i = 0; i < num_args && !device; ++i) {
+    forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      if (!device && t.defined() && t.device().is_privateuseone()) {
+        device = t.device();
+      }
+    });
+  }
+  if (!device) {
+    for (size_t i = 0; i < num_args; ++i) {
+      const c10::IValue& value = (*stack)[first + i];
+      if (info.arg_kinds[i] == ArgKind::Device && value.isDevice() &&
+          value.toDevice().is_privateuseone()) {
+        device = value.toDevice();
+        break;
+      }
+    }
+  }
+  if (!device) {
+    device = c10::Device(c10::DeviceType::PrivateUse1, c10::kiln::current_device());
+  }
+  if (!device->has_index()) {
+    device = c10::Device(c10::DeviceType::PrivateUse1, c10::kiln::current_device());
+  }
+  c10::kiln::check_device_index(device->index());
+
+  for (size_t i = 0; i < num_args; ++i) {
+    c10::IValue& value = (*stack)[first + i];
+    const ArgKind kind = info.arg_kinds[i];
+    const bool is_index_list = info.accepts_host_indices &&
+        (kind == ArgKind::TensorList || kind == ArgKind::OptionalTensorList);
+    bool has_host_index = false;
+    forEachTensorIn(value, kind, [&](const at::Tensor& t) {
+      if (!t.defined() || t.device() == *device) {
+        return;
+      }
+      if (t.device().is_cpu() && is_index_list) {
+        has_host_index = true;
+        return;
+      }
+      if (t.device().is_cpu() && t.dim() == 0 && !info.arg_is_mutable[i]) {
+        return; // a host scalar
+      }
+      raiseDeviceMismatch(info, i, t, *device);
+    });
+    if (has_host_index) {
+      // Indexing with CPU index tensors works as on CUDA: move them over.
+      std::vector<std::optional<at::Tensor>> moved;
+      for (const c10::IValue& element : value.toListRef()) {
+        if (element.isTensor()) {
+          const at::Tensor& t = element.toTensor();
+          moved.emplace_back(t.device().is_cpu() ? t.to(*device) : t);
+        } else {
+          moved.emplace_back(std::nullopt);
+        }
+      }
+      if (kind == ArgKind::TensorList) {
+        std::vector<at::Tensor> tensors;
+        for (auto& t : moved) {
+          tensors.push_back(*t);
+        }
+        value = c10::IValue(c10::List<at::Tensor>(tensors));
+      } else {
+        value = c10::IValue(c10::List<std::optional<at::Tensor>>(moved));
+      }
+    }
+  }
+  return *device;
+}
+
+bool hasEmptyTensor(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  bool empty = false;
+  for (size_t i = 0; i < info.arg_kinds.size() && !empty; ++i) {
+    forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      empty |= t.defined() && t.numel() == 0;
+    });
+  }
+  return empty;
+}
+
+// ---------------------------------------------------------------- aliases
+
+// Replaces the tensors in `value` by stand-ins from `aliaser`.
+c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& aliaser) {
+  switch (kind) {
+    case ArgKind::Tensor:
+    case ArgKind::OptionalTensor:
+      return value.isTensor() ? c10::IValue(aliaser.alias(value.toTensor())) : value;
+    case ArgKind::TensorList: {
+      std::vector<at::Tensor> tensors;
+      for (const c10::IValue& element : value.toListRef()) {
+        tensors.push_back(aliaser.alias(element.toTensor()));
+      }
+      return c10::IValue(c10::List<at::Tensor>(tensors));
+    }
+    case ArgKind::OptionalTensorList: {
+      std::vector<std::optional<at::Tensor>> tensors;
+      for (const c10::IValue& element : value.toListRef()) {
+        if (element.isTensor()) {
+          tensors.emplace_back(aliaser.alias(element.toTensor()));
+        } else {
+          tensors.emplace_back(std::nullopt);
+        }
+      }
+      return c10::IValue(c10::List<std::optional<at::Tensor>>(tensors));
+    }
+    default:
+      return value;
+  }
+}
+
+// Host-side copies of user-visible CPU scalar tensors, so a task never reads
+// a host tensor the caller may change after the op returns. Wrapped numbers
+// (Python scalars) are private to the call and need no copy.
+c10::IValue snapshotHostScalars(const c10::IValue& value, ArgKind kind) {
+  if ((kind == ArgKind::Tensor || kind == ArgKind::OptionalTensor) && value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (t.defined() && t.device().is_cpu() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      return c10::IValue(t.clone());
+    }
+  }
+  return value;
+}
+
+// Host arguments for the CPU kernel: host aliases of kiln tensors, the kiln
+// generator's engine for generators, CPU for kiln devices.
+Stack hostArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                    TensorAliaser& aliaser, const KilnStream& stream) {
+  Stack args;
+  const size_t num_args = info.arg_kinds.size();
+  args.reserve(num_args);
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& value = stack[first + i];
+    switch (info.arg_kinds[i]) {
+      case ArgKind::Generator: {
+        at::Generator generator = value.isNone()
+            ? c10::kiln::getDefaultKilnGenerator(stream.device_index())
+            : value.toGenerator();
+        TORCH_CHECK(
+            generator.device().is_privateuseone(),
+            "Expected a generator on a kiln device for ", opName(info), ", but got a ",
+            generator.device().type(), " generator. Create it with torch.Generator(device=\"kiln\").");
+        auto* impl = generator.get<c10::kiln::KilnGeneratorImpl>();
+        args.emplace_back(impl->engineForLaunch(stream));
+        break;
+      }
+      case ArgKind::Device:
+        args.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
+                              ? c10::IValue(c10::Device(c10::kCPU))
+                              : value);
+        break;
+      default:
+        args.push_back(aliasValue(snapshotHostScalars(value, info.arg_kinds[i]),
+                                  info.arg_kinds[i], aliaser));
+    }
+  }
+  return args;
+}
+
+// Meta arguments: meta images of tensors, no generators, meta devices.
+Stack metaArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                    TensorAliaser& aliaser) {
+  Stack args;
+  const size_t num_args = info.arg_kinds.size();
+  args.reserve(num_args);
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& value = stack[first + i];
+    switch (info.arg_kinds[i]) {
+      case ArgKind::Generator:
+        args.emplace_back();
+        break;
+      case ArgKind::Device:
+        args.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
+                              ? c10::IValue(c10::Device(c10::kMeta))
+                              : value);
+        break;
+      default:
+        args.push_back(aliasValue(value, info.arg_kinds[i], aliaser));
+    }
+  }
+  return args;
+}
+
+// ---------------------------------------------------------------- outputs
+
+// Gives the kiln tensor `target` the sizes, strides and offset of `layout`,
+// growing its storage if needed. Used when a kernel resized an out= argument.
+void adoptLayout(const at::Tensor& target, const TensorLayout& layout) {
+  auto* impl = target.unsafeGetTensorImpl();
+  if (target.sizes().equals(layout.sizes) && target.strides().equals(layout.strides) &&
+      target.storage_offset() == layout.storage_offset) {
+    return;
+  }
+  const size_t needed = at::detail::computeStorageNbytes(
+      layout.sizes, layout.strides, target.dtype().itemsize(),
+      static_cast<size_t>(layout.storage_offset));
+  if (needed > target.storage().nbytes()) {
+    c10::kiln::resizeStorageBytes(target.storage().unsafeGetStorageImpl(), needed);
+  }
+  impl->set_sizes_and_strides(layout.sizes, layout.strides, layout.storage_offset);
+}
+
+// A kiln tensor over `base`'s storage with the layout and dtype of `layout`.
+at::Tensor viewOf(const at::Tensor& base, const TensorLayout& layout) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(base.storage()), base.key_set(),
+      c10::scalarTypeToTypeMeta(layout.dtype));
+  impl->set_sizes_and_strides(layout.sizes, layout.strides, layout.storage_offset);
+  impl->_set_conj(layout.is_conj);
+  impl->_set_neg(layout.is_neg);
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor freshLike(const TensorLayout& layout, c10::Device device) {
+  if (!layout.defined) {
+    return at::Tensor(); // e.g. a gradient that output_mask did not ask for
+  }
+  return at::empty_strided(layout.sizes, layout.strides,
+                           at::TensorOptions().dtype(layout.dtype).device(device));
+}
+
+// Runs the meta kernel on meta images of the arguments; nullopt if it raised.
+// Warnings it emits are passed on, and make the outcome uncacheable.
+std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const OpSchemaInfo& info,
+                                         const Stack& stack, size_t first) {
+  struct CollectingHandler final : c10::WarningHandler {
+    std::vector<c10::Warning> warnings;
+    void process(const c10::Warning& warning) override { warnings.push_back(warning); }
+  };
+  TensorAliaser aliaser(c10::kMeta);
+  Stack meta_stack = metaArguments(info, stack, first, aliaser);
+  const Stack meta_args = meta_stack; // keeps the meta images of mutable args
+  CollectingHandler handler;
+  c10::WarningHandler* previous = c10::WarningUtils::get_warning_handler();
+  try {
+    c10::WarningUtils::WarningHandlerGuard guard(&handler);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+  } catch (const std::exception& e) {
+    return std::nullopt;
+  }
+  for (const auto& warning : handler.warnings) {
+    previous->process(warning);
+  }
+  MetaOutcome outcome;
+  outcome.uncacheable = !handler.warnings.empty();
+  outcome.returns.resize(info.returns.size());
+  for (size_t r = 0; r < info.returns.size(); ++r) {
+    if (info.returns[r].kind == ReturnKind::Mutated) {
+      continue; // the mutable argument's layout is recorded below
+    }
+    forEachTensorIn(meta_stack[r], info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+                    [&](const at::Tensor& t) { outcome.returns[r].push_back(TensorLayout::of(t)); });
+    if (info.returns[r].kind == ReturnKind::Fresh && !info.returns[r].is_list &&
+        outcome.returns[r].empty()) {
+      outcome.returns[r].emplace_back(); // an undefined tensor
+    }
+  }
+  outcome.mutable_args.resize(info.arg_kinds.size());
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_is_mutable[i]) {
+      forEachTensorIn(meta_args[i], info.arg_kinds[i], [&](const at::Tensor& t) {
+        outcome.mutable_args[i].push_back(TensorLayout::of(t));
+      });
+    }
+  }
+  return outcome;
+}
+
+// ---------------------------------------------------------------- tasks
+
+// The CPU kernel call of step 3, run on the stream.
+struct KernelTask final : TaskBody {
+  c10::OperatorHandle op;
+  std::optional<c10::OperatorHandle> out_op;
+  Stack args;
+  std::vector<at::Tensor> outputs; // host aliases of fresh outputs, in return order
+  const OpSchemaInfo* info = nullptr;
+
+  KernelTask(c10::OperatorHandle op_) : op(std::move(op_)) {}
+
+  void run() override {
+    Stack stack = args;
+    if (out_op.has_value()) {
+      for (const auto& out : outputs) {
+        stack.emplace_back(out);
+      }
+      out_op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+      return;
+    }
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+    size_t next = 0;
+    for (size_t r = 0; r < info->returns.size(); ++r) {
+      if (info->returns[r].kind != ReturnKind::Fresh) {
+        continue;
+      }
+      if (info->returns[r].is_list) {
+        for (const c10::IValue& element : stack[r].toListRef()) {
+          copyResult(outputs[next++], element);
+        }
+      } else {
+        copyResult(outputs[next++], stack[r]);
+      }
+    }
+  }
+
+  static void copyResult(at::Tensor& output, const c10::IValue& result) {
+    if (output.defined()) {
+      output.copy_(result.toTensor());
+    }
+  }
+
+  std::string describe() const override {
+    std::string text = opName(*info) + "(";
+    bool first = true;
+    for (const c10::IValue& value : args) {
+      if (!value.isTensor() || !value.toTensor().defined()) {
+        continue;
+      }
+      const at::Tensor& t = value.toTensor();
+      text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + "[";
+      for (size_t d = 0; d < static_cast<size_t>(t.dim()); ++d) {
+        text += (d ? ", " : "") + std::to_string(t.size(static_cast<int64_t>(d)));
+      }
+      text += "]";
+      first = false;
+    }
+    return text + ")";
+  }
+};
+
+// ---------------------------------------------------------------- sync path
+
+void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
+                      Stack* stack, size_t first, c10::Device device) {
+  recordSyncOp(info.schema->operator_name());
+  const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
+  const size_t num_args = info.arg_kinds.size();
+
+  TensorAliaser aliaser(c10::kCPU);
+  Stack host_args = hostArguments(info, *stack, first, aliaser, stream);
+  // out= arguments get fresh host tensors: the kernel may resize them; the
+  // results are copied into the kiln tensors afterwards.
+  std::vector<at::Tensor> host_outs(num_args);
+  for (size_t i = 0; i < num_args; ++i) {
+    if (info.arg_is_out[i] && host_args[i].isTensor()) {
+      const at::Tensor& kiln_out = (*stack)[first + i].toTensor();
+      host_outs[i] = at::empty({0}, at::TensorOptions().dtype(kiln_out.dtype()));
+      host_args[i] = c10::IValue(host_outs[i]);
+    }
+  }
+
+  struct Outcome {
+    Stack results;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  launchTask(stream, info.schema->name().c_str(),
+             [op, args = std::move(host_args), outcome]() mutable {
+               try {
+                 op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+                 outcome->results = std::move(args);
+               } catch (...) {
+                 // Raised on the calling thread below, with its original type.
+                 outcome->error = std::current_exception();
+               }
+             });
+  stream.synchronize();
+  if (outcome->error) {
+    std::rethrow_exception(outcome->error);
+  }
+
+  // out= arguments: resize the kiln tensor if the kernel resized, then copy.
+  for (size_t i = 0; i < num_args; ++i) {
+    if (host_outs[i].defined()) {
+      const at::Tensor& kiln_out = (*stack)[first + i].toTensor();
+      if (!kiln_out.sizes().equals(host_outs[i].sizes())) {
+        adoptLayout(kiln_out, TensorLayout::of(host_outs[i]));
+      }
+      kiln_out.copy_(host_outs[i]);
+    }
+  }
+
+  // Map host results back to kiln values.
+  auto toKiln = [&](const at::Tensor& host, const ReturnInfo& r) -> at::Tensor {
+    if (!host.defined()) {
+      return host;
+    }
+    if (r.kind == ReturnKind::View) {
+      // A view of an argument: find the kiln tensor whose bytes it shares.
+      const void* data = host.storage().data();
+      for (size_t i = 0; i < num_args; ++i) {
+        at::Tensor match;
+        forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+          if (!match.defined() && t.defined() && t.device().is_privateuseone() &&
+              t.storage().data() == data) {
+            match = t;
+          }
+        });
+        if (match.defined()) {
+          return viewOf(match, TensorLayout::of(host));
+        }
+      }
+    }
+    at::Tensor result = host.is_non_overlapping_and_dense()
+        ? freshLike(TensorLayout::of(host), device)
+        : at::empty(host.sizes(), at::TensorOptions().dtype(host.dtype()).device(device));
+    result.copy_(host);
+    return result;
+  };
+
+  const size_t num_returns = info.returns.size();
+  Stack results;
+  results.reserve(num_returns);
+  for (size_t r = 0; r < num_returns; ++r) {
+    const ReturnInfo& ret = info.returns[r];
+    const c10::IValue& host = outcome->results[r];
+    if (ret.kind == ReturnKind::Mutated) {
+      results.push_back((*stack)[first + static_cast<size_t>(ret.source)]);
+    } else if (ret.kind == ReturnKind::NonTensor) {
+      results.push_back(host);
+    } else if (ret.is_list) {
+      std::vector<at::Tensor> tensors;
+      for (const c10::IValue& element : host.toListRef()) {
+        tensors.push_back(toKiln(element.toTensor(), ret));
+      }
+      results.emplace_back(c10::List<at::Tensor>(tensors));
+    } else {
+      results.emplace_back(toKiln(host.toTensor(), ret));
+    }
+  }
+  torch::jit::drop(*stack, num_args);
+  for (auto& value : results) {
+    stack->push_back(std::move(value));
+  }
+}
+
+} // namespace
+
+// ---------------------------------------------------------------- main path
+
+void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
+  const OpSchemaInfo& info = opSchemaInfo(op);
+  const size_t num_args = info.arg_kinds.size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  const size_t first = stack->size() - num_args;
+
+  const c10::Device device = resolveDevice(info, stack, first);
+  const c10::DeviceGuard device_guard(device);
+  recordExecutedOp(info.schema->operator_name());
+
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      info.has_cpu_kernel,
+      "The operator '", opName(info), "' is not implemented for kiln: the reference device runs "
+      "ATen's CPU kernels and this operator has none. Please file an issue with the program "
+      "that needs it.");
+
+  if (info.is_data_dependent || !info.has_meta_kernel ||
+      (info.checks_empty_inputs && hasEmptyTensor(info, *stack, first))) {
+    runSynchronously(op, info, stack, first, device);
+    return;
+  }
+
+  // Step 2: layouts, from the layout cache or the meta kernel.
+  std::optional<LayoutCache::Signature> signature = LayoutCache::signatureOf(info, *stack, first);
+  const MetaOutcome* cached = signature ? LayoutCache::find(*signature) : nullptr;
+  MetaOutcome computed;
+  if (cached == nullptr) {
+    std::optional<MetaOutcome> outcome = runMetaKernel(op, info, *stack, first);
+    if (!outcome.has_value()) {
+      // The meta kernel could not decide (or the inputs are invalid): run the
+      // CPU kernel synchronously, which raises the CPU's own error if invalid.
+      runSynchronously(op, info, stack, first, device);
+      return;
+    }
+    computed = std::move(*outcome);
+  }
+  const MetaOutcome& outcome = cached != nullptr ? *cached : computed;
+
+  // Mutable arguments the meta kernel resized (out= with the wrong size).
+  for (size_t i = 0; i < num_args; ++i) {
+    if (!info.arg_is_mutable[i]) {
+      continue;
+    }
+    size_t j = 0;
+    forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      adoptLayout(t, outcome.mutable_args[i][j++]);
+    });
+  }
+
+  // Outputs.
+  const size_t num_returns = info.returns.size();
+  Stack results;
+  results.reserve(num_returns);
+  std::vector<at::Tensor> fresh;
+  for (size_t r = 0; r < num_returns; ++r) {
+    const ReturnInfo& ret = info.returns[r];
+    const auto& layouts = outcome.returns[r];
+    switch (ret.kind) {
+      case ReturnKind::Mutated:
+        results.push_back((*stack)[first + static_cast<size_t>(ret.source)]);
+        break;
+      case ReturnKind::View: {
+        const c10::IValue& source = (*stack)[first + static_cast<size_t>(ret.source)];
+        TORCH_INTERNAL_ASSERT(source.isTensor(), "view of a tensor list is unsupported");
+        if (ret.is_list) {
+          std::vector<at::Tensor> views;
+          for (const auto& layout : layouts) {
+            views.push_back(viewOf(source.toTensor(), layout));
+          }
+          results.emplace_back(c10::List<at::Tensor>(views));
+        } else {
+          results.emplace_back(viewOf(source.toTensor(), layouts[0]));
+        }
+        break;
+      }
+      case ReturnKind::Fresh:
+        if (ret.is_list) {
+          std::vector<at::Tensor> outputs;
+          for (const auto& layout : layouts) {
+            outputs.push_back(freshLike(layout, device));
+            fresh.push_back(outputs.back());
+          }
+          results.emplace_back(c10::List<at::Tensor>(outputs));
+        } else {
+          fresh.push_back(freshLike(layouts[0], device));
+          results.emplace_back(fresh.back());
+        }
+        break;
+      case ReturnKind::NonTensor:
+        TORCH_INTERNAL_ASSERT(false, "non-tensor returns take the synchronous path");
+    }
+  }
+  if (cached == nullptr && signature.has_value() && !computed.uncacheable) {
+    LayoutCache::insert(std::move(*signature), std::move(computed));
+  }
+
+  // Step 3: the kernel on the stream (nothing to do for pure views).
+  if (info.has_mutable_args || info.has_fresh_returns) {
+    const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
+    TensorAliaser host_aliaser(c10::kCPU);
+    auto task = std::make_unique<KernelTask>(op);
+    task->info = &info;
+    task->args = hostArguments(info, *stack, first, host_aliaser, stream);
+    task->out_op = info.out_overload;
+    for (const auto& output : fresh) {
+      task->outputs.push_back(host_aliaser.alias(output));
+      if (!output.defined()) {
+        task->out_op.reset(); // out= overloads need every output
+      }
+    }
+    launchTaskBody(stream, info.schema->name().c_str(), std::move(task));
+  }
+
+  torch::jit::drop(*stack, num_args);
+  for (auto& value : results) {
+    stack->push_back(std::move(value));
+  }
+}
+
+void kilnFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  runOnKiln(op, stack);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&kilnFallback>());
+}
+
+} // namespace at::kiln

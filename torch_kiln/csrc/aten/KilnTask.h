@@ -1,0 +1,50 @@
+// KilnTask.h — running C++ work as a task on a kiln stream.
+//
+// launchTask(stream, name, work) enqueues `work()` on the stream's in-order
+// queue; it runs on the stream's worker thread after all earlier work there
+// (or at once on the calling thread with KILN_LAUNCH_BLOCKING=1). `work` is
+// moved into the task and destroyed after it ran, on the thread that ran it.
+//
+// Ownership rule: `work` must own (capture by value) everything it reads that
+// the caller might change or free before the task runs: host tensors,
+// generators, scalars. Kiln device memory is the exception: the stream order
+// and the caching allocator (Note [Kiln caching allocator]) keep it valid, so
+// tasks capture host aliases of kiln tensors, never the kiln tensors.
+//
+// Errors: an exception thrown by `work` becomes the stream's sticky error,
+// described as "<name>: <what>" plus `describe()` when given; it is raised at
+// the next synchronization of the stream (Note [Sticky stream errors] in the
+// runtime). With KILN_LAUNCH_BLOCKING=1 it is raised by launchTask itself.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "core/KilnStream.h"
+
+namespace at::kiln {
+
+// Type-erased work item; see launchTask.
+struct TaskBody {
+  virtual ~TaskBody() = default;
+  virtual void run() = 0;
+  // Extra context for an error message (e.g. the op's argument shapes).
+  virtual std::string describe() const { return {}; }
+};
+
+// `name` must outlive the task (use a string literal or an operator name).
+void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
+                    std::unique_ptr<TaskBody> body);
+
+template <typename F>
+void launchTask(const c10::kiln::KilnStream& stream, const char* name, F&& work) {
+  struct Body final : TaskBody {
+    explicit Body(F&& f) : fn(std::forward<F>(f)) {}
+    void run() override { fn(); }
+    std::decay_t<F> fn;
+  };
+  launchTaskBody(stream, name, std::make_unique<Body>(std::forward<F>(work)));
+}
+
+} // namespace at::kiln

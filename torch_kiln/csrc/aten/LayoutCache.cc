@@ -1,0 +1,196 @@
+#include "aten/LayoutCache.h"
+
+#include <cstring>
+#include <unordered_map>
+
+#include <c10/util/hash.h>
+
+namespace at::kiln {
+namespace {
+
+constexpr size_t kMaxEntries = 4096;
+
+// Tags separating the encodings of different argument kinds.
+enum Tag : int64_t {
+  kNone = -1000001,
+  kUndefinedTensor,
+  kTensor,
+  kList,
+  kInt,
+  kDouble,
+  kBool,
+  kString,
+  kComplex,
+  kSymInt,
+};
+
+int64_t bitsOf(double value) {
+  int64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+void appendTensor(LayoutCache::Signature& sig, const at::Tensor& t,
+                  std::vector<const c10::StorageImpl*>& storages) {
+  if (!t.defined()) {
+    sig.push_back(kUndefinedTensor);
+    return;
+  }
+  sig.push_back(kTensor);
+  sig.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+  sig.push_back(static_cast<int64_t>(t.scalar_type()));
+  const auto* impl = t.unsafeGetTensorImpl();
+  sig.push_back((impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0) |
+                (impl->is_wrapped_number() ? 4 : 0));
+  sig.push_back(t.dim());
+  for (const int64_t s : t.sizes()) {
+    sig.push_back(s);
+  }
+  for (const int64_t s : t.strides()) {
+    sig.push_back(s);
+  }
+  sig.push_back(t.storage_offset());
+  // Which earlier tensor shares this storage (-1: none).
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  int64_t shared_with = -1;
+  for (size_t i = 0; i < storages.size(); ++i) {
+    if (storages[i] == storage) {
+      shared_with = static_cast<int64_t>(i);
+      break;
+    }
+  }
+  storages.push_back(storage);
+  sig.push_back(shared_with);
+  sig.push_back(static_cast<int64_t>(t.storage().nbytes()));
+}
+
+// Appends `value`; returns false for values that cannot be keyed. With
+// `types_only`, floating-point and complex scalars contribute their type alone.
+bool appendValue(LayoutCache::Signature& sig, const c10::IValue& value,
+                 std::vector<const c10::StorageImpl*>& storages, bool types_only) {
+  if (value.isNone()) {
+    sig.push_back(kNone);
+  } else if (value.isTensor()) {
+    appendTensor(sig, value.toTensor(), storages);
+  } else if (value.isInt()) {
+    sig.push_back(kInt);
+    sig.push_back(value.toInt());
+  } else if (value.isSymInt()) {
+    const auto s = value.toSymInt();
+    if (!s.is_heap_allocated()) {
+      sig.push_back(kSymInt);
+      sig.push_back(s.as_int_unchecked());
+    } else {
+      return false;
+    }
+  } else if (value.isDouble()) {
+    sig.push_back(kDouble);
+    if (!types_only) {
+      sig.push_back(bitsOf(value.toDouble()));
+    }
+  } else if (value.isBool()) {
+    sig.push_back(kBool);
+    sig.push_back(value.toBool() ? 1 : 0);
+  } else if (value.isComplexDouble()) {
+    const auto c = value.toComplexDouble();
+    sig.push_back(kComplex);
+    if (!types_only) {
+      sig.push_back(bitsOf(c.real()));
+      sig.push_back(bitsOf(c.imag()));
+    }
+  } else if (value.isString()) {
+    const auto& s = value.toStringRef();
+    sig.push_back(kString);
+    sig.push_back(static_cast<int64_t>(s.size()));
+    for (size_t i = 0; i < s.size(); i += sizeof(int64_t)) {
+      int64_t chunk = 0;
+      std::memcpy(&chunk, s.data() + i, std::min(sizeof(int64_t), s.size() - i));
+      sig.push_back(chunk);
+    }
+  } else if (value.isList()) {
+    const auto list = value.toListRef();
+    sig.push_back(kList);
+    sig.push_back(static_cast<int64_t>(list.size()));
+    for (const c10::IValue& element : list) {
+      if (!appendValue(sig, element, storages, types_only)) {
+        return false;
+      }
+    }
+  } else if (value.isDevice()) {
+    const auto d = value.toDevice();
+    sig.push_back(kInt);
+    sig.push_back(static_cast<int64_t>(d.type()) * 1024 + d.index());
+  } else {
+    return false; // Generator, Storage, objects, ...: not keyed
+  }
+  return true;
+}
+
+struct SignatureHash {
+  size_t operator()(const LayoutCache::Signature& sig) const noexcept {
+    size_t seed = sig.size();
+    for (const int64_t v : sig) {
+      seed = c10::hash_combine(seed, static_cast<size_t>(v));
+    }
+    return seed;
+  }
+};
+
+using Table = std::unordered_map<LayoutCache::Signature, MetaOutcome, SignatureHash>;
+
+Table& table() {
+  thread_local Table entries;
+  return entries;
+}
+
+} // namespace
+
+TensorLayout TensorLayout::of(const at::Tensor& t) {
+  TensorLayout layout;
+  if (!t.defined()) {
+    return layout;
+  }
+  layout.defined = true;
+  layout.sizes = t.sizes().vec();
+  layout.strides = t.strides().vec();
+  layout.storage_offset = t.storage_offset();
+  layout.dtype = t.scalar_type();
+  layout.is_conj = t.is_conj();
+  layout.is_neg = t.is_neg();
+  return layout;
+}
+
+std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInfo& info,
+                                                             const torch::jit::Stack& stack,
+                                                             size_t first) {
+  Signature sig;
+  sig.reserve(64);
+  sig.push_back(reinterpret_cast<int64_t>(info.schema));
+  std::vector<const c10::StorageImpl*> storages;
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_kinds[i] == ArgKind::Generator) {
+      sig.push_back(kNone); // generators do not affect layouts
+      continue;
+    }
+    if (!appendValue(sig, stack[first + i], storages, info.scalar_values_irrelevant)) {
+      return std::nullopt;
+    }
+  }
+  return sig;
+}
+
+const MetaOutcome* LayoutCache::find(const Signature& signature) {
+  auto& entries = table();
+  const auto it = entries.find(signature);
+  return it == entries.end() ? nullptr : &it->second;
+}
+
+void LayoutCache::insert(Signature signature, MetaOutcome outcome) {
+  auto& entries = table();
+  if (entries.size() >= kMaxEntries) {
+    entries.clear();
+  }
+  entries.emplace(std::move(signature), std::move(outcome));
+}
+
+} // namespace at::kiln

@@ -1,0 +1,78 @@
+// LayoutCache.h — remembers what an op's meta kernel decided, per argument
+// signature, so repeated calls skip the meta kernel.
+//
+// Note [Layout cache]
+// ~~~~~~~~~~~~~~~~~~~
+// Step 2 of Note [How an eager op runs on kiln] runs the op's meta kernel to
+// validate the arguments and compute output layouts. Many ATen meta kernels
+// are written in Python (torch/_meta_registrations.py overrides the C++ ones
+// for most out= variants) and cost tens of microseconds, far more than the
+// work of a small op. A meta kernel is a pure function of the arguments'
+// metadata, so its outcome is cached under a *signature*: the operator, and
+// for every argument its kind and
+//   - tensors: defined, device, dtype, sizes, strides, storage offset,
+//     conj/neg bits, wrapped-number flag, and which other argument (if any)
+//     shares its storage (aliasing decides overlap errors);
+//   - scalars, ints, floats, bools, strings, dtypes, lists of them: the value
+//     (for pointwise ops whose float scalars are plain operands, such as
+//     add's alpha or addcdiv's value, only the type: OpSchemaInfo's
+//     scalar_values_irrelevant).
+// A cached outcome holds the layouts of the outputs and of every mutable
+// argument after the meta kernel ran. Only successful meta calls that raised
+// no warning are cached (a warning must be shown every time; an error is
+// re-raised by running the op again). Arguments of other kinds (generators
+// excepted) make the call uncacheable. The cache is per thread, so lookups
+// take no lock, and it is cleared when it holds kMaxEntries signatures.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
+#include <c10/core/ScalarType.h>
+
+#include "aten/OpSchemaInfo.h"
+
+namespace at::kiln {
+
+// Sizes, strides, offset, dtype and bits of one tensor (or "undefined").
+struct TensorLayout {
+  bool defined = false;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t storage_offset = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool is_conj = false;
+  bool is_neg = false;
+
+  static TensorLayout of(const at::Tensor& t);
+};
+
+// What the meta kernel decided for one call.
+struct MetaOutcome {
+  // Per return: one layout (tensor) or several (tensor list).
+  std::vector<std::vector<TensorLayout>> returns;
+  // Per argument: the layouts of a mutable argument after the meta kernel
+  // (one per tensor, several for a tensor list); empty for other arguments.
+  std::vector<std::vector<TensorLayout>> mutable_args;
+  // The meta kernel warned: show the warning on every call, so do not cache.
+  bool uncacheable = false;
+};
+
+class LayoutCache {
+ public:
+  using Signature = std::vector<int64_t>;
+
+  // The signature of a call, or nullopt if the arguments cannot be keyed.
+  static std::optional<Signature> signatureOf(const OpSchemaInfo& info,
+                                              const torch::jit::Stack& stack, size_t first);
+
+  // The cached outcome for `signature`, or nullptr. The pointer is valid
+  // until the next insert() on this thread.
+  static const MetaOutcome* find(const Signature& signature);
+  static void insert(Signature signature, MetaOutcome outcome);
+};
+
+} // namespace at::kiln

@@ -1,0 +1,253 @@
+#include "aten/OpSchemaInfo.h"
+
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/core/jit_type.h>
+
+namespace at::kiln {
+namespace {
+
+bool isTensorType(const c10::TypePtr& type) {
+  return type->kind() == c10::TypeKind::TensorType;
+}
+
+bool isOptionalOf(const c10::TypePtr& type, c10::TypeKind kind) {
+  if (type->kind() != c10::TypeKind::OptionalType) {
+    return false;
+  }
+  return type->castRaw<c10::OptionalType>()->getElementType()->kind() == kind;
+}
+
+ArgKind argKindOf(const c10::TypePtr& type) {
+  if (isTensorType(type)) {
+    return ArgKind::Tensor;
+  }
+  if (isOptionalOf(type, c10::TypeKind::TensorType)) {
+    return ArgKind::OptionalTensor;
+  }
+  if (type->kind() == c10::TypeKind::ListType) {
+    const auto& element = type->castRaw<c10::ListType>()->getElementType();
+    if (isTensorType(element)) {
+      return ArgKind::TensorList;
+    }
+    if (isOptionalOf(element, c10::TypeKind::TensorType)) {
+      return ArgKind::OptionalTensorList;
+    }
+  }
+  if (type->kind() == c10::TypeKind::GeneratorType ||
+      isOptionalOf(type, c10::TypeKind::GeneratorType)) {
+    return ArgKind::Generator;
+  }
+  if (type->kind() == c10::TypeKind::DeviceObjType ||
+      isOptionalOf(type, c10::TypeKind::DeviceObjType)) {
+    return ArgKind::Device;
+  }
+  return ArgKind::Other;
+}
+
+// The alias annotation of an argument or return, looking inside lists
+// (`Tensor(a)[]` annotates the list's element).
+const c10::AliasInfo* aliasOf(const c10::Argument& argument) {
+  const c10::AliasInfo* info = argument.alias_info();
+  if (info != nullptr && info->beforeSets().empty() && !info->containedTypes().empty()) {
+    return &info->containedTypes()[0];
+  }
+  return info;
+}
+
+bool sharesAliasSet(const c10::AliasInfo& a, const c10::AliasInfo& b) {
+  for (const auto& set : a.beforeSets()) {
+    if (b.beforeSets().count(set) != 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Ops whose outputs depend on tensor values, so their sizes cannot be known
+// before the device has computed them.
+bool isDataDependent(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::nonzero",        "aten::masked_select",     "aten::unique_consecutive",
+      "aten::_unique",        "aten::_unique2",          "aten::unique_dim",
+      "aten::unique_dim_consecutive", "aten::bincount",  "aten::repeat_interleave",
+      "aten::_local_scalar_dense",    "aten::equal",     "aten::is_nonzero",
+      "aten::_assert_async",  "aten::nonzero_numpy",
+  };
+  return names.count(name) != 0;
+}
+
+// Reductions whose CPU kernels raise for empty inputs or empty reduced
+// dimensions, checks their meta kernels do not make.
+bool checksEmptyInputs(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::max",    "aten::min",     "aten::amax",      "aten::amin",
+      "aten::argmax", "aten::argmin",  "aten::aminmax",   "aten::median",
+      "aten::nanmedian", "aten::mode", "aten::kthvalue",  "aten::linalg_vector_norm",
+      "aten::norm",   "aten::cummax",  "aten::cummin",    "aten::_aminmax",
+  };
+  return names.count(name) != 0;
+}
+
+// Pointwise ops whose floating-point scalar arguments are mere operands: the
+// meta kernel's decisions depend on their types, never their values.
+bool scalarValuesIrrelevant(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::add",       "aten::add_",      "aten::sub",        "aten::sub_",
+      "aten::mul",       "aten::mul_",      "aten::div",        "aten::div_",
+      "aten::rsub",      "aten::addcmul",   "aten::addcmul_",   "aten::addcdiv",
+      "aten::addcdiv_",  "aten::lerp",      "aten::lerp_",      "aten::fill",
+      "aten::fill_",     "aten::masked_fill", "aten::masked_fill_", "aten::clamp",
+      "aten::clamp_",    "aten::clamp_min", "aten::clamp_min_", "aten::clamp_max",
+      "aten::clamp_max_", "aten::hardtanh", "aten::hardtanh_",  "aten::leaky_relu",
+      "aten::leaky_relu_", "aten::threshold", "aten::threshold_", "aten::where",
+      "aten::addmm",     "aten::addmv",     "aten::baddbmm",    "aten::addbmm",
+      "aten::nan_to_num", "aten::nan_to_num_", "aten::elu",     "aten::softplus",
+  };
+  return names.count(name) != 0 || name.rfind("aten::_foreach_", 0) == 0;
+}
+
+bool acceptsHostIndices(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
+      "aten::_unsafe_index", "aten::_unsafe_index_put",
+  };
+  return names.count(name) != 0;
+}
+
+// All registered overload names, by operator name; built once.
+const std::unordered_map<std::string, std::vector<c10::OperatorName>>& overloadsByName() {
+  static const auto* index = [] {
+    auto* map = new std::unordered_map<std::string, std::vector<c10::OperatorName>>();
+    for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      (*map)[name.name].push_back(name);
+    }
+    return map;
+  }();
+  return *index;
+}
+
+// The out= overload of `schema`: the same leading arguments (names and types),
+// then exactly one keyword-only mutable tensor per return.
+std::optional<c10::OperatorHandle> findOutOverload(const c10::FunctionSchema& schema) {
+  const auto& overloads = overloadsByName();
+  const auto it = overloads.find(schema.name());
+  if (it == overloads.end()) {
+    return std::nullopt;
+  }
+  const auto& args = schema.arguments();
+  const size_t num_returns = schema.returns().size();
+  for (const auto& name : it->second) {
+    if (name.overload_name == schema.overload_name()) {
+      continue;
+    }
+    auto handle = c10::Dispatcher::singleton().findSchema(name);
+    if (!handle.has_value() || !handle->hasSchema()) {
+      continue;
+    }
+    const auto& candidate = handle->schema();
+    const auto& cargs = candidate.arguments();
+    if (cargs.size() != args.size() + num_returns) {
+      continue;
+    }
+    bool match = true;
+    for (size_t i = 0; i < args.size() && match; ++i) {
+      match = cargs[i].name() == args[i].name() &&
+          cargs[i].type()->str() == args[i].type()->str();
+    }
+    for (size_t i = args.size(); i < cargs.size() && match; ++i) {
+      const auto* alias = cargs[i].alias_info();
+      match = cargs[i].kwarg_only() && alias != nullptr && alias->isWrite() &&
+          isTensorType(cargs[i].type());
+    }
+    if (match) {
+      return handle;
+    }
+  }
+  return std::nullopt;
+}
+
+std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
+  auto info = std::make_unique<OpSchemaInfo>();
+  const auto& schema = op.schema();
+  info->schema = &schema;
+  const auto& args = schema.arguments();
+  for (const auto& arg : args) {
+    info->arg_kinds.push_back(argKindOf(arg.type()));
+    const c10::AliasInfo* alias = aliasOf(arg);
+    const bool is_mutable = alias != nullptr && alias->isWrite();
+    info->arg_is_mutable.push_back(is_mutable);
+    info->arg_is_out.push_back(is_mutable && arg.kwarg_only());
+    info->has_mutable_args |= is_mutable;
+  }
+  for (const auto& ret : schema.returns()) {
+    ReturnInfo r;
+    const ArgKind kind = argKindOf(ret.type());
+    r.is_list = kind == ArgKind::TensorList;
+    if (kind != ArgKind::Tensor && kind != ArgKind::TensorList) {
+      r.kind = ReturnKind::NonTensor;
+      info->has_non_tensor_returns = true;
+    } else if (const c10::AliasInfo* alias = aliasOf(ret); alias != nullptr) {
+      r.kind = alias->isWrite() ? ReturnKind::Mutated : ReturnKind::View;
+      for (size_t i = 0; i < args.size(); ++i) {
+        const c10::AliasInfo* arg_alias = aliasOf(args[i]);
+        if (arg_alias != nullptr && sharesAliasSet(*alias, *arg_alias)) {
+          r.source = static_cast<int>(i);
+          break;
+        }
+      }
+      if (r.source < 0) {
+        r.kind = ReturnKind::Fresh; // unannotated source: treat as new
+      }
+    }
+    info->has_fresh_returns |= r.kind == ReturnKind::Fresh;
+    info->has_view_returns |= r.kind == ReturnKind::View;
+    info->returns.push_back(r);
+  }
+  info->is_data_dependent = info->has_non_tensor_returns || isDataDependent(schema.name());
+  info->has_meta_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta);
+  info->has_cpu_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);
+  info->accepts_host_indices = acceptsHostIndices(schema.name());
+  info->checks_empty_inputs = checksEmptyInputs(schema.name());
+  info->scalar_values_irrelevant = scalarValuesIrrelevant(schema.name());
+  if (info->has_fresh_returns) {
+    bool all_fresh_tensors = true;
+    for (const auto& r : info->returns) {
+      all_fresh_tensors &= r.kind == ReturnKind::Fresh && !r.is_list;
+    }
+    if (all_fresh_tensors && !info->has_mutable_args) {
+      info->out_overload = findOutOverload(schema);
+      if (info->out_overload.has_value() &&
+          !info->out_overload->hasComputedKernelForDispatchKey(c10::DispatchKey::CPU)) {
+        info->out_overload.reset();
+      }
+    }
+  }
+  return info;
+}
+
+} // namespace
+
+const OpSchemaInfo& opSchemaInfo(const c10::OperatorHandle& op) {
+  static std::shared_mutex mutex;
+  static auto* cache = new std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpSchemaInfo>>();
+  const c10::FunctionSchema* key = &op.schema();
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex);
+    const auto it = cache->find(key);
+    if (it != cache->end()) {
+      return *it->second;
+    }
+  }
+  auto info = analyze(op);
+  std::unique_lock<std::shared_mutex> lock(mutex);
+  auto [it, inserted] = cache->emplace(key, std::move(info));
+  return *it->second;
+}
+
+} // namespace at::kiln

@@ -1,0 +1,82 @@
+// OpSchemaInfo.h — what the op executor needs to know about an ATen operator,
+// derived once from its schema and cached.
+//
+// For each argument: is it a tensor (or optional / list of tensors), a
+// generator, a device, or something else; is it mutable (`Tensor(a!)`), and
+// is it an out= argument (mutable and keyword-only). For each return: is it a
+// fresh tensor, the mutated argument itself, a view of an argument
+// (`Tensor(a)`), or not a tensor. For ops with fresh outputs, the matching
+// out= overload (e.g. aten::mm -> aten::mm.out) if there is one, so kernels
+// can write straight into preallocated kiln outputs.
+//
+// Thread-safety: opSchemaInfo() is thread-safe; the returned reference lives
+// for the life of the process.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace at::kiln {
+
+enum class ArgKind : uint8_t {
+  Other,
+  Tensor,
+  OptionalTensor,
+  TensorList,
+  OptionalTensorList,
+  Generator,
+  Device,
+};
+
+enum class ReturnKind : uint8_t {
+  Fresh,     // a new tensor (or list of new tensors)
+  Mutated,   // the mutable argument `source` itself (in-place / out=)
+  View,      // a view of argument `source` (or a list of views)
+  NonTensor, // a scalar, bool, int, ... computed from data
+};
+
+struct ReturnInfo {
+  ReturnKind kind = ReturnKind::Fresh;
+  bool is_list = false;
+  int source = -1; // argument index for Mutated / View
+};
+
+struct OpSchemaInfo {
+  const c10::FunctionSchema* schema = nullptr;
+  std::vector<ArgKind> arg_kinds;
+  std::vector<bool> arg_is_mutable;
+  std::vector<bool> arg_is_out; // mutable and keyword-only
+  std::vector<ReturnInfo> returns;
+
+  bool has_mutable_args = false;
+  bool has_fresh_returns = false;
+  bool has_view_returns = false;
+  bool has_non_tensor_returns = false;
+  // Output sizes depend on tensor values (nonzero, masked_select, unique, ...)
+  // or the op returns values read from device data (item, equal, ...).
+  bool is_data_dependent = false;
+  // The CPU kernel rejects some empty inputs that the meta kernel accepts
+  // (reductions such as max() of an empty tensor): with an empty tensor
+  // argument the op runs synchronously, so the error is raised at the call.
+  bool checks_empty_inputs = false;
+  // The op's output layouts and argument checks depend on the *types* of its
+  // scalar arguments but not their values (alpha of add, value of addcdiv,
+  // weight of lerp, ...), so the layout cache may ignore those values.
+  bool scalar_values_irrelevant = false;
+  // A meta kernel exists to compute output layouts on the calling thread.
+  bool has_meta_kernel = false;
+  // The op can run on CPU (the reference device's kernel library).
+  bool has_cpu_kernel = false;
+  // Index arguments may be CPU tensors (moved to the device), as on CUDA.
+  bool accepts_host_indices = false;
+  // The out= overload for ops with fresh outputs, taking the same arguments
+  // followed by one out tensor per return.
+  std::optional<c10::OperatorHandle> out_overload;
+};
+
+const OpSchemaInfo& opSchemaInfo(const c10::OperatorHandle& op);
+
+} // namespace at::kiln

@@ -1,0 +1,28 @@
+// OpTracking.h — counts of the ATen ops kiln executed and of those that
+// forced a synchronization (torch.kiln.get_executed_ops / get_sync_ops /
+// clear_op_tracking).
+//
+// An op is counted under its full ATen name ("aten::add.out") each time a kiln
+// kernel runs it; a "sync op" is one whose result on the host depended on
+// device data (item(), nonzero, masked_select, blocking copies to the host, …)
+// and so had to wait for the device. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+#include <ATen/core/operator_name.h>
+
+namespace at::kiln {
+
+void recordExecutedOp(const c10::OperatorName& op);
+void recordExecutedOp(const char* name);
+void recordSyncOp(const c10::OperatorName& op);
+void recordSyncOp(const char* name);
+
+std::unordered_map<std::string, int64_t> executedOps();
+std::unordered_map<std::string, int64_t> syncOps();
+void clearOpTracking();
+
+} // namespace at::kiln

@@ -1,0 +1,64 @@
+// Kiln runs CPU's kernel wherever CPU has one.
+//
+// Note [Composite kernels vs CPU kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A few ATen operators have a dedicated CPU kernel *and* a generic
+// CompositeExplicitAutograd kernel that every other device, PrivateUse1
+// included, receives by default (native_layer_norm, native_group_norm, addr,
+// all/any over dims, ...). The composite computes the same function with
+// different rounding, so kiln would not reproduce CPU's numbers. At load
+// time, Kiln registers its op executor (which runs the CPU kernel on the
+// device) for PrivateUse1 on every such operator. Autograd is unaffected:
+// these operators' derivatives are registered separately.
+//
+// Operators whose generic kernel is CompositeImplicitAutograd (silu_backward,
+// mish_backward, native_channel_shuffle) are left alone: overriding them
+// would also remove their autograd formula. They may differ from CPU in the
+// last bits.
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "aten/KilnOpExecutor.h"
+
+namespace at::kiln {
+namespace {
+
+std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
+  std::vector<c10::OperatorName> result;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) {
+      continue;
+    }
+    const auto op = dispatcher.findOp(name);
+    if (!op.has_value() || !op->hasSchema()) {
+      continue;
+    }
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      result.push_back(name);
+    }
+  }
+  return result;
+}
+
+// Lives for the process: the registrations end with the Library object.
+const torch::Library* registerCpuKernelOverrides() {
+  auto* library = new torch::Library(torch::Library::IMPL, "aten",
+                                     c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const auto& name : operatorsNeedingCpuKernel()) {
+    const std::string qualified =
+        name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    library->impl(qualified.c_str() + 6, // without "aten::"
+                  torch::CppFunction::makeFromBoxedFunction<&kilnFallback>());
+  }
+  return library;
+}
+
+const torch::Library* const registered = registerCpuKernelOverrides();
+
+} // namespace
+} // namespace at::kiln

@@ -1,0 +1,55 @@
+#include "aten/TensorAliases.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/TensorImpl.h>
+
+namespace at::kiln {
+
+c10::Storage TensorAliaser::storageFor(const c10::Storage& source) {
+  c10::StorageImpl* key = source.unsafeGetStorageImpl();
+  for (auto& [impl, storage] : storages_) {
+    if (impl == key) {
+      return storage;
+    }
+  }
+  c10::Storage storage;
+  if (target_ == c10::kMeta) {
+    // Resizable, so meta kernels of out= ops can resize their output.
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), source.nbytes(),
+                           c10::DataPtr(nullptr, c10::Device(c10::kMeta)),
+                           c10::GetAllocator(c10::kMeta), /*resizable=*/true);
+  } else {
+    // Non-owning: the kiln storage keeps the memory; a kernel that tried to
+    // reallocate it would fail rather than silently write elsewhere.
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), source.nbytes(),
+                           c10::DataPtr(source.unsafeGetStorageImpl()->mutable_data(),
+                                        c10::Device(c10::kCPU)),
+                           /*allocator=*/nullptr, /*resizable=*/false);
+  }
+  storages_.emplace_back(key, storage);
+  return storage;
+}
+
+at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
+  if (!tensor.defined()) {
+    return tensor;
+  }
+  if (tensor.device().is_cpu()) {
+    // Host scalars pass through: kernels of every device accept 0-dim CPU
+    // tensors, and Python meta kernels turn wrapped numbers into scalars,
+    // which they can only do for CPU tensors.
+    return tensor;
+  }
+  c10::Storage storage = storageFor(tensor.storage());
+  const c10::DispatchKey key = target_ == c10::kMeta ? c10::DispatchKey::Meta
+                                                     : c10::DispatchKey::CPU;
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(key), tensor.dtype());
+  const auto* source = tensor.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(source->sizes(), source->strides(), source->storage_offset());
+  impl->_set_conj(source->is_conj());
+  impl->_set_neg(source->is_neg());
+  return at::Tensor(std::move(impl));
+}
+
+} // namespace at::kiln

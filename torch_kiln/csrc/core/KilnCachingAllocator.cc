@@ -1,0 +1,482 @@
+// The stream-ordered caching allocator for kiln device memory.
+#include "core/KilnCachingAllocator.h"
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
+#include <c10/util/irange.h>
+
+#include "core/KilnEvent.h"
+#include "core/KilnException.h"
+#include "core/KilnFunctions.h"
+
+namespace c10::kiln::KilnCachingAllocator {
+
+// Note [Kiln caching allocator]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Asking the runtime for memory (kilnMalloc) is slow and kilnFree waits for the
+// whole device, so freed tensors keep their memory in a cache, exactly as
+// CUDA's caching allocator does. The rules are CUDA's:
+//
+//  * Stream-ordered reuse. A block remembers the stream it was allocated on.
+//    When its tensor is freed, the block goes back to that stream's free list
+//    at once, even if kernels still using it are queued: later work on the
+//    same stream runs after them, so reusing the block there is safe. A block
+//    is only handed out to allocations on its own stream.
+//  * record_stream. If a tensor was used on other streams
+//    (Tensor.record_stream), freeing it records an event on each of those
+//    streams; the block joins its free list only when all those events have
+//    completed (checked at each allocation, process_events).
+//  * Sizes. Requests are rounded up to 512 bytes (kMinBlockSize). Requests up
+//    to 1 MiB come from the small pool, larger ones from the large pool; a
+//    cached block is reused for a request if it is at most twice the rounded
+//    size (small) or at most a quarter larger (large). Blocks are never split,
+//    so every block is one runtime allocation ("segment").
+//  * Out of memory. If the runtime cannot allocate, all cached free blocks of
+//    the device are released and the allocation is retried once; if it fails
+//    again, torch.OutOfMemoryError names the device, the request, and what is
+//    allocated, reserved and free.
+//  * Statistics follow CUDA's DeviceStats (c10/core/CachingDeviceAllocator.h),
+//    so memory_stats() has CUDA's keys ("allocated_bytes.all.current", ...).
+
+namespace {
+
+using c10::CachingAllocator::format_size;
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatType;
+using c10::CachingAllocator::StatTypes;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+constexpr size_t kMinBlockSize = 512;
+constexpr size_t kSmallSize = 1 << 20;
+constexpr int kMaxDevices = 64;
+
+struct Block {
+  DeviceIndex device = 0;
+  StreamId stream_id = 0;
+  size_t size = 0;      // bytes reserved from the runtime (rounded)
+  size_t requested = 0; // bytes the client asked for
+  void* ptr = nullptr;
+  bool allocated = false;
+  bool is_small = false;
+  std::vector<StreamId> stream_uses; // other streams that used the block
+  int pending_events = 0;
+};
+
+struct BlockLess {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream_id != b->stream_id) {
+      return a->stream_id < b->stream_id;
+    }
+    if (a->size != b->size) {
+      return a->size < b->size;
+    }
+    return reinterpret_cast<uintptr_t>(a->ptr) < reinterpret_cast<uintptr_t>(b->ptr);
+  }
+};
+
+using FreeList = std::set<Block*, BlockLess>;
+
+size_t roundSize(size_t size) {
+  if (size < kMinBlockSize) {
+    return kMinBlockSize;
+  }
+  const size_t rounded = kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+  return rounded < size ? size : rounded; // overflow: keep the absurd size
+}
+
+StatTypes statTypesOf(const Block* block) {
+  StatTypes types = {false};
+  types[static_cast<size_t>(StatType::AGGREGATE)] = true;
+  types[static_cast<size_t>(block->is_small ? StatType::SMALL_POOL : StatType::LARGE_POOL)] = true;
+  return types;
+}
+
+template <typename F>
+void forEachStat(const Block* block, F&& f) {
+  c10::CachingAllocator::for_each_selected_stat_type(statTypesOf(block), f);
+}
+
+// Everything the allocator knows about one device, guarded by `mutex`.
+class DeviceCache {
+ public:
+  explicit DeviceCache(DeviceIndex device) : device_(device) {}
+
+  Block* malloc(size_t requested, const KilnStream& stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    processEvents();
+    const size_t size = roundSize(requested);
+    const bool is_small = size <= kSmallSize;
+    FreeList& pool = is_small ? small_free_ : large_free_;
+
+    Block* block = takeCached(pool, stream.id(), size, is_small);
+    if (block == nullptr) {
+      block = allocateSegment(requested, size, is_small, stream);
+    }
+    block->allocated = true;
+    block->requested = requested;
+    block->stream_uses.clear();
+    forEachStat(block, [&](size_t t) {
+      stats_.allocation[t].increase(1);
+      stats_.allocated_bytes[t].increase(block->size);
+      stats_.active[t].increase(1);
+      stats_.active_bytes[t].increase(block->size);
+      stats_.requested_bytes[t].increase(block->requested);
+    });
+    return block;
+  }
+
+  void free(Block* block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    block->allocated = false;
+    forEachStat(block, [&](size_t t) {
+      stats_.allocation[t].decrease(1);
+      stats_.allocated_bytes[t].decrease(block->size);
+      stats_.requested_bytes[t].decrease(block->requested);
+    });
+    if (!block->stream_uses.empty()) {
+      // Note [Kiln caching allocator]: wait for the other streams' work.
+      for (const StreamId id : block->stream_uses) {
+        KilnEvent event;
+        event.record(KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id)));
+        pending_.emplace_back(std::move(event), block);
+        block->pending_events++;
+      }
+      block->stream_uses.clear();
+      return;
+    }
+    deactivate(block);
+  }
+
+  void recordStream(Block* block, const KilnStream& stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stream.id() == block->stream_id ||
+        std::find(block->stream_uses.begin(), block->stream_uses.end(), stream.id()) !=
+            block->stream_uses.end()) {
+      return;
+    }
+    block->stream_uses.push_back(stream.id());
+  }
+
+  void emptyCache() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Blocks waiting for other streams: wait, then cache them, then release.
+    for (auto& [event, block] : pending_) {
+      event.synchronize();
+      if (--block->pending_events == 0) {
+        deactivate(block);
+      }
+    }
+    pending_.clear();
+    releaseCached(small_free_);
+    releaseCached(large_free_);
+  }
+
+  DeviceStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+  void resetPeak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto t : c10::irange(static_cast<size_t>(StatType::NUM_TYPES))) {
+      stats_.allocation[t].reset_peak();
+      stats_.segment[t].reset_peak();
+      stats_.active[t].reset_peak();
+      stats_.inactive_split[t].reset_peak();
+      stats_.allocated_bytes[t].reset_peak();
+      stats_.reserved_bytes[t].reset_peak();
+      stats_.active_bytes[t].reset_peak();
+      stats_.inactive_split_bytes[t].reset_peak();
+      stats_.requested_bytes[t].reset_peak();
+    }
+    stats_.oversize_allocations.reset_peak();
+    stats_.oversize_segments.reset_peak();
+  }
+
+  void resetAccumulated() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto t : c10::irange(static_cast<size_t>(StatType::NUM_TYPES))) {
+      stats_.allocation[t].reset_accumulated();
+      stats_.segment[t].reset_accumulated();
+      stats_.active[t].reset_accumulated();
+      stats_.inactive_split[t].reset_accumulated();
+      stats_.allocated_bytes[t].reset_accumulated();
+      stats_.reserved_bytes[t].reset_accumulated();
+      stats_.active_bytes[t].reset_accumulated();
+      stats_.inactive_split_bytes[t].reset_accumulated();
+      stats_.requested_bytes[t].reset_accumulated();
+    }
+    stats_.num_alloc_retries = 0;
+    stats_.num_ooms = 0;
+    stats_.num_sync_all_streams = 0;
+    stats_.num_device_alloc = 0;
+    stats_.num_device_free = 0;
+    stats_.oversize_allocations.reset_accumulated();
+    stats_.oversize_segments.reset_accumulated();
+  }
+
+ private:
+  // Best fit among the stream's free blocks, within the reuse limit.
+  Block* takeCached(FreeList& pool, StreamId stream_id, size_t size, bool is_small) {
+    Block key;
+    key.stream_id = stream_id;
+    key.size = size;
+    key.ptr = nullptr;
+    auto it = pool.lower_bound(&key);
+    if (it == pool.end() || (*it)->stream_id != stream_id) {
+      return nullptr;
+    }
+    const size_t limit = is_small ? 2 * size : size + size / 4;
+    if ((*it)->size > limit) {
+      return nullptr;
+    }
+    Block* block = *it;
+    pool.erase(it);
+    return block;
+  }
+
+  Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream) {
+    void* ptr = nullptr;
+    kilnError_t status = runtimeMalloc(&ptr, size);
+    if (status == kilnErrorMemoryAllocation) {
+      // Release the cache and retry once (Note [Kiln caching allocator]).
+      stats_.num_alloc_retries++;
+      for (auto& [event, block] : pending_) {
+        event.synchronize();
+        if (--block->pending_events == 0) {
+          deactivate(block);
+        }
+      }
+      pending_.clear();
+      releaseCached(small_free_);
+      releaseCached(large_free_);
+      status = runtimeMalloc(&ptr, size);
+    }
+    if (status == kilnErrorMemoryAllocation) {
+      stats_.num_ooms++;
+      raiseOutOfMemory(requested);
+    }
+    KILN_CHECK(status);
+    auto* block = new Block();
+    block->device = device_;
+    block->stream_id = stream.id();
+    block->size = size;
+    block->ptr = ptr;
+    block->is_small = is_small;
+    stats_.num_device_alloc++;
+    forEachStat(block, [&](size_t t) {
+      stats_.segment[t].increase(1);
+      stats_.reserved_bytes[t].increase(size);
+    });
+    return block;
+  }
+
+  kilnError_t runtimeMalloc(void** ptr, size_t size) {
+    int previous = 0;
+    KILN_CHECK(kilnGetDevice(&previous));
+    if (previous != device_) {
+      KILN_CHECK(kilnSetDevice(device_));
+    }
+    const kilnError_t status = kilnMalloc(ptr, size);
+    if (previous != device_) {
+      KILN_WARN(kilnSetDevice(previous));
+    }
+    return status;
+  }
+
+  [[noreturn]] void raiseOutOfMemory(size_t requested) {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    {
+      int previous = 0;
+      KILN_WARN(kilnGetDevice(&previous));
+      KILN_WARN(kilnSetDevice(device_));
+      KILN_WARN(kilnMemGetInfo(&free_bytes, &total_bytes));
+      KILN_WARN(kilnSetDevice(previous));
+    }
+    const auto agg = static_cast<size_t>(StatType::AGGREGATE);
+    const auto allocated = static_cast<uint64_t>(stats_.allocated_bytes[agg].current);
+    const auto reserved = static_cast<uint64_t>(stats_.reserved_bytes[agg].current);
+    c10::reportOutOfMemoryToProfiler(
+        static_cast<int64_t>(requested), allocated, reserved,
+        Device(DeviceType::PrivateUse1, device_));
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, false,
+        "Kiln out of memory. Tried to allocate ", format_size(requested), " (",
+        requested, " bytes) on kiln:", static_cast<int>(device_), ". The device has a total capacity of ",
+        format_size(total_bytes), " of which ", format_size(free_bytes),
+        " is free. Of the memory in use, ", format_size(allocated),
+        " is allocated by PyTorch, and ", format_size(reserved > allocated ? reserved - allocated : 0),
+        " is reserved by PyTorch but unallocated. Free tensors you no longer need, "
+        "use smaller batches, or raise the capacity with KILN_DEVICE_MEMORY (e.g. KILN_DEVICE_MEMORY=32GiB).");
+  }
+
+  // A block no longer allocated and not waited on joins its free list.
+  void deactivate(Block* block) {
+    forEachStat(block, [&](size_t t) {
+      stats_.active[t].decrease(1);
+      stats_.active_bytes[t].decrease(block->size);
+    });
+    (block->is_small ? small_free_ : large_free_).insert(block);
+  }
+
+  void processEvents() {
+    while (!pending_.empty()) {
+      auto& [event, block] = pending_.front();
+      if (!event.query()) {
+        break;
+      }
+      if (--block->pending_events == 0) {
+        deactivate(block);
+      }
+      pending_.pop_front();
+    }
+  }
+
+  void releaseCached(FreeList& pool) {
+    if (!pool.empty()) {
+      stats_.num_sync_all_streams++;
+    }
+    for (Block* block : pool) {
+      KILN_CHECK(kilnFree(block->ptr)); // waits for the device (see runtime.h)
+      stats_.num_device_free++;
+      forEachStat(block, [&](size_t t) {
+        stats_.segment[t].decrease(1);
+        stats_.reserved_bytes[t].decrease(block->size);
+      });
+      delete block;
+    }
+    pool.clear();
+  }
+
+  const DeviceIndex device_;
+  std::mutex mutex_;
+  FreeList small_free_;
+  FreeList large_free_;
+  std::deque<std::pair<KilnEvent, Block*>> pending_;
+  DeviceStats stats_;
+};
+
+DeviceCache& deviceCache(DeviceIndex device) {
+  // Leaked on purpose: blocks may be freed during static destruction.
+  static DeviceCache** caches = [] {
+    auto** all = new DeviceCache*[kMaxDevices];
+    for (const auto i : c10::irange(kMaxDevices)) {
+      all[i] = new DeviceCache(static_cast<DeviceIndex>(i));
+    }
+    return all;
+  }();
+  return *caches[device];
+}
+
+void deleteBlock(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  deviceCache(block->device).free(block);
+}
+
+class KilnDeviceAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    const DeviceIndex device = current_device();
+    check_device_index(device);
+    if (n == 0) {
+      return c10::DataPtr(nullptr, Device(DeviceType::PrivateUse1, device));
+    }
+    Block* block = deviceCache(device).malloc(n, getCurrentKilnStream(device));
+    return c10::DataPtr(block->ptr, block, &deleteBlock,
+                        Device(DeviceType::PrivateUse1, device));
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    KILN_CHECK(kilnMemcpy(dest, src, count, kilnMemcpyDeviceToDevice));
+  }
+
+  bool initialized() override {
+    return true;
+  }
+
+  void emptyCache(MempoolId_t /*mempool_id*/) override {
+    KilnCachingAllocator::emptyCache();
+  }
+
+  void recordStream(const DataPtr& ptr, c10::Stream stream) override {
+    KilnCachingAllocator::recordStream(ptr, KilnStream(stream));
+  }
+
+  DeviceStats getDeviceStats(DeviceIndex device) override {
+    return KilnCachingAllocator::getDeviceStats(device);
+  }
+
+  void resetAccumulatedStats(DeviceIndex device) override {
+    KilnCachingAllocator::resetAccumulatedStats(device);
+  }
+
+  void resetPeakStats(DeviceIndex device) override {
+    KilnCachingAllocator::resetPeakStats(device);
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) override {
+    return KilnCachingAllocator::getMemoryInfo(device);
+  }
+};
+
+KilnDeviceAllocator g_allocator;
+
+} // namespace
+
+c10::DeviceAllocator* get() {
+  return &g_allocator;
+}
+
+void recordStream(const c10::DataPtr& data_ptr, const KilnStream& stream) {
+  if (data_ptr.get_deleter() != &deleteBlock || data_ptr.get_context() == nullptr) {
+    return;
+  }
+  auto* block = static_cast<Block*>(data_ptr.get_context());
+  deviceCache(block->device).recordStream(block, stream);
+}
+
+void emptyCache() {
+  const DeviceIndex count = device_count();
+  for (const auto device : c10::irange(count)) {
+    deviceCache(device).emptyCache();
+  }
+}
+
+c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) {
+  check_device_index(device);
+  return deviceCache(device).stats();
+}
+
+void resetPeakStats(DeviceIndex device) {
+  check_device_index(device);
+  deviceCache(device).resetPeak();
+}
+
+void resetAccumulatedStats(DeviceIndex device) {
+  check_device_index(device);
+  deviceCache(device).resetAccumulated();
+}
+
+std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) {
+  check_device_index(device);
+  const DeviceIndex previous = exchange_device(device);
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  const kilnError_t status = kilnMemGetInfo(&free_bytes, &total_bytes);
+  KILN_WARN(kilnSetDevice(previous));
+  KILN_CHECK(status);
+  return {free_bytes, total_bytes};
+}
+
+REGISTER_ALLOCATOR(DeviceType::PrivateUse1, &g_allocator);
+
+} // namespace c10::kiln::KilnCachingAllocator

@@ -1,0 +1,139 @@
+// Device management and the single conversion point from runtime status codes
+// to PyTorch exceptions (Note [Runtime errors become c10 errors]).
+#include "core/KilnFunctions.h"
+
+#include <mutex>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "core/KilnException.h"
+
+namespace c10::kiln {
+
+void throwRuntimeError(kilnError_t error, const char* expression) {
+  const char* detail = kilnGetLastErrorMessage();
+  std::string message = (detail && *detail) ? std::string(detail)
+                                            : std::string(kilnGetErrorString(error));
+  message = "Kiln error: " + message + " [" + kilnGetErrorName(error) + " from " +
+      expression + "]";
+  switch (error) {
+    case kilnErrorMemoryAllocation:
+      TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+    case kilnErrorInvalidValue:
+      TORCH_CHECK_VALUE(false, message);
+    default:
+      TORCH_CHECK(false, message);
+  }
+}
+
+void warnRuntimeError(kilnError_t error, const char* expression) noexcept {
+  try {
+    const char* detail = kilnGetLastErrorMessage();
+    TORCH_WARN(
+        "Kiln error ignored in a context that cannot raise: ",
+        (detail && *detail) ? detail : kilnGetErrorString(error),
+        " [", kilnGetErrorName(error), " from ", expression, "]");
+  } catch (...) {
+  }
+}
+
+namespace {
+
+// The runtime's count, or its initialisation error, computed once.
+struct DeviceCountResult {
+  kilnError_t status = kilnSuccess;
+  int count = 0;
+  std::string message;
+};
+
+const DeviceCountResult& deviceCountResult() {
+  static const DeviceCountResult result = [] {
+    DeviceCountResult r;
+    r.status = kilnGetDeviceCount(&r.count);
+    if (r.status != kilnSuccess) {
+      r.message = kilnGetLastErrorMessage();
+      r.count = 0;
+    }
+    return r;
+  }();
+  return result;
+}
+
+} // namespace
+
+DeviceIndex device_count() noexcept {
+  const auto& r = deviceCountResult();
+  if (r.status != kilnSuccess) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      try {
+        TORCH_WARN("Kiln devices are unavailable: ", r.message);
+      } catch (...) {
+      }
+    });
+  }
+  return static_cast<DeviceIndex>(r.count);
+}
+
+DeviceIndex device_count_ensure_non_zero() {
+  const auto& r = deviceCountResult();
+  TORCH_CHECK(r.status == kilnSuccess, "Kiln devices are unavailable: ", r.message);
+  TORCH_CHECK(
+      r.count > 0,
+      "No kiln devices: KILN_DEVICE_COUNT is 0. Set KILN_DEVICE_COUNT to a "
+      "positive number of devices (default 2).");
+  return static_cast<DeviceIndex>(r.count);
+}
+
+void check_device_index(DeviceIndex index) {
+  const DeviceIndex count = device_count_ensure_non_zero();
+  TORCH_CHECK(
+      index >= 0 && index < count,
+      "Invalid device kiln:", static_cast<int>(index), ": Kiln has ",
+      static_cast<int>(count), count == 1 ? " device (kiln:0)" : " devices (kiln:0 to kiln:",
+      count == 1 ? "" : std::to_string(count - 1), count == 1 ? "" : ")",
+      ". Use an index in that range, or set KILN_DEVICE_COUNT to change the number of devices.");
+}
+
+DeviceIndex current_device() {
+  int device = 0;
+  KILN_CHECK(kilnGetDevice(&device));
+  return static_cast<DeviceIndex>(device);
+}
+
+void set_device(DeviceIndex index) {
+  check_device_index(index);
+  KILN_CHECK(kilnSetDevice(index));
+}
+
+DeviceIndex exchange_device(DeviceIndex index) {
+  const DeviceIndex previous = current_device();
+  if (index != previous) {
+    set_device(index);
+  }
+  return previous;
+}
+
+DeviceIndex maybe_exchange_device(DeviceIndex index) {
+  const DeviceIndex previous = current_device();
+  if (index < 0 || index >= device_count() || index == previous) {
+    return previous;
+  }
+  KILN_CHECK(kilnSetDevice(index));
+  return previous;
+}
+
+void device_synchronize(DeviceIndex index) {
+  if (index < 0) {
+    KILN_CHECK(kilnDeviceSynchronize());
+    return;
+  }
+  check_device_index(index);
+  const DeviceIndex previous = exchange_device(index);
+  const kilnError_t status = kilnDeviceSynchronize();
+  KILN_WARN(kilnSetDevice(previous));
+  KILN_CHECK(status);
+}
+
+} // namespace c10::kiln

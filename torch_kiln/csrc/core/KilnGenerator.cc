@@ -1,0 +1,141 @@
+#include "core/KilnGenerator.h"
+
+#include <vector>
+
+#include <ATen/Utils.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include "core/KilnEvent.h"
+#include "core/KilnFunctions.h"
+
+namespace c10::kiln {
+
+// Note [Kiln random numbers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The reference device runs ATen's CPU kernels, and CPU random kernels draw
+// from a CPUGeneratorImpl (a Mersenne Twister, mt19937). A kiln generator
+// therefore owns a CPUGeneratorImpl, its "engine", and every random kernel on
+// kiln runs with that engine (the op executor substitutes it for the
+// generator argument). Consequences:
+//   * Same seed, same sequence of random ops -> the same numbers as on CPU
+//     (PyTorch does not promise this across devices; Kiln does it because it
+//     makes CPU-vs-kiln comparisons exact, e.g. dropout masks in training).
+//   * get_state()/set_state() use the CPU generator's state format, so a kiln
+//     state can be loaded into a CPU generator and back.
+//   * The engine is consumed when kernels *run* (on stream workers). To make
+//     the sequence depend only on launch order, even when random ops go to
+//     several streams, a launch on stream B after the previous random launch
+//     on stream A makes B wait for A's work so far (engineForLaunch). Host
+//     reads and writes of the state (seed, get/set_state) first wait for
+//     launched random kernels, so they see exactly the launched ops' effect.
+// CUDA uses a counter-based Philox generator instead; a real chip's runtime
+// would do the same. The interface above (engineForLaunch) is where it plugs in.
+
+KilnGeneratorImpl::KilnGeneratorImpl(DeviceIndex device, uint64_t seed)
+    : c10::GeneratorImpl(Device(DeviceType::PrivateUse1, device),
+                         DispatchKeySet(DispatchKey::PrivateUse1)),
+      engine_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+
+c10::DeviceType KilnGeneratorImpl::device_type() {
+  return DeviceType::PrivateUse1;
+}
+
+void KilnGeneratorImpl::waitForLaunchedKernels() const {
+  std::optional<KilnStream> last;
+  {
+    std::lock_guard<std::mutex> lock(launch_mutex_);
+    last = last_stream_;
+  }
+  if (last.has_value()) {
+    // An event captures the work launched so far without consuming the
+    // stream's pending errors (those belong to the next synchronize).
+    KilnEvent event;
+    event.record(*last);
+    event.synchronize();
+  }
+}
+
+at::Generator KilnGeneratorImpl::engineForLaunch(const KilnStream& stream) {
+  std::lock_guard<std::mutex> lock(launch_mutex_);
+  if (last_stream_.has_value() && *last_stream_ != stream) {
+    KilnEvent event;
+    event.record(*last_stream_);
+    event.block(stream);
+  }
+  last_stream_ = stream;
+  return engine_;
+}
+
+void KilnGeneratorImpl::set_current_seed(uint64_t seed) {
+  waitForLaunchedKernels();
+  std::lock_guard<std::mutex> lock(engine_.mutex());
+  engine_.set_current_seed(seed);
+}
+
+uint64_t KilnGeneratorImpl::current_seed() const {
+  std::lock_guard<std::mutex> lock(engine_.mutex());
+  return engine_.current_seed();
+}
+
+uint64_t KilnGeneratorImpl::seed() {
+  const uint64_t random = c10::detail::getNonDeterministicRandom();
+  set_current_seed(random);
+  return random;
+}
+
+void KilnGeneratorImpl::set_offset(uint64_t /*offset*/) {
+  TORCH_CHECK(false, "Kiln generators, like CPU generators, do not support set_offset(); "
+                     "use manual_seed() or set_state().");
+}
+
+uint64_t KilnGeneratorImpl::get_offset() const {
+  TORCH_CHECK(false, "Kiln generators, like CPU generators, do not support get_offset(); "
+                     "use get_state().");
+}
+
+void KilnGeneratorImpl::set_state(const c10::TensorImpl& new_state) {
+  waitForLaunchedKernels();
+  std::lock_guard<std::mutex> lock(engine_.mutex());
+  engine_.unsafeGetGeneratorImpl()->set_state(new_state);
+}
+
+c10::intrusive_ptr<c10::TensorImpl> KilnGeneratorImpl::get_state() const {
+  waitForLaunchedKernels();
+  std::lock_guard<std::mutex> lock(engine_.mutex());
+  return engine_.unsafeGetGeneratorImpl()->get_state();
+}
+
+KilnGeneratorImpl* KilnGeneratorImpl::clone_impl() const {
+  waitForLaunchedKernels();
+  auto* copy = new KilnGeneratorImpl(device().index());
+  std::lock_guard<std::mutex> lock(engine_.mutex());
+  copy->engine_ = engine_.clone();
+  return copy;
+}
+
+const at::Generator& getDefaultKilnGenerator(DeviceIndex device) {
+  static const std::vector<at::Generator>* generators = [] {
+    auto* all = new std::vector<at::Generator>();
+    const DeviceIndex count = device_count();
+    for (const auto i : c10::irange(count)) {
+      all->push_back(at::make_generator<KilnGeneratorImpl>(static_cast<DeviceIndex>(i)));
+    }
+    return all;
+  }();
+  if (device < 0) {
+    device = current_device();
+  }
+  check_device_index(device);
+  return (*generators)[static_cast<size_t>(device)];
+}
+
+at::Generator createKilnGenerator(DeviceIndex device) {
+  if (device < 0) {
+    device = current_device();
+  }
+  check_device_index(device);
+  return at::make_generator<KilnGeneratorImpl>(device);
+}
+
+} // namespace c10::kiln

@@ -1,0 +1,149 @@
+#include "core/KilnGuardImpl.h"
+
+#include <c10/util/Exception.h>
+
+#include "core/KilnCachingAllocator.h"
+#include "core/KilnException.h"
+#include "core/KilnFunctions.h"
+#include "core/KilnStream.h"
+
+namespace c10::kiln {
+
+KilnGuardImpl::KilnGuardImpl(DeviceType t) {
+  TORCH_CHECK(t == static_type, "KilnGuardImpl initialized with non-kiln DeviceType: ", t);
+}
+
+DeviceType KilnGuardImpl::type() const {
+  return static_type;
+}
+
+Device KilnGuardImpl::exchangeDevice(Device d) const {
+  TORCH_CHECK(d.is_privateuseone(), "Expected a kiln device, got ", d);
+  const DeviceIndex previous = exchange_device(d.index());
+  return Device(static_type, previous);
+}
+
+Device KilnGuardImpl::getDevice() const {
+  return Device(static_type, current_device());
+}
+
+void KilnGuardImpl::setDevice(Device d) const {
+  TORCH_CHECK(d.is_privateuseone(), "Expected a kiln device, got ", d);
+  set_device(d.index());
+}
+
+void KilnGuardImpl::uncheckedSetDevice(Device d) const noexcept {
+  KILN_WARN(kilnSetDevice(d.index()));
+}
+
+DeviceIndex KilnGuardImpl::deviceCount() const noexcept {
+  return device_count();
+}
+
+Stream KilnGuardImpl::getStream(Device d) const {
+  return getCurrentKilnStream(d.index()).unwrap();
+}
+
+Stream KilnGuardImpl::getDefaultStream(Device d) const {
+  return getDefaultKilnStream(d.index()).unwrap();
+}
+
+Stream KilnGuardImpl::getStreamFromGlobalPool(Device d, bool isHighPriority) const {
+  return getStreamFromPool(isHighPriority ? -1 : 0, d.index()).unwrap();
+}
+
+Stream KilnGuardImpl::getNewStream(Device d, int priority) const {
+  return getStreamFromPool(priority, d.index()).unwrap();
+}
+
+Stream KilnGuardImpl::exchangeStream(Stream s) const {
+  const KilnStream stream(s);
+  const KilnStream previous = getCurrentKilnStream(stream.device_index());
+  setCurrentKilnStream(stream);
+  return previous.unwrap();
+}
+
+void* KilnGuardImpl::getStreamNativeHandle(const Stream s) const {
+  return KilnStream(s).stream();
+}
+
+bool KilnGuardImpl::queryStream(const Stream& stream) const {
+  return KilnStream(stream).query();
+}
+
+void KilnGuardImpl::synchronizeStream(const Stream& stream) const {
+  KilnStream(stream).synchronize();
+}
+
+void KilnGuardImpl::synchronizeDevice(const DeviceIndex device_index) const {
+  device_synchronize(device_index);
+}
+
+void KilnGuardImpl::destroyEvent(void* event, const DeviceIndex) const noexcept {
+  if (event != nullptr) {
+    KILN_WARN(kilnEventDestroy(static_cast<kilnEvent_t>(event)));
+  }
+}
+
+void KilnGuardImpl::record(void** event, const Stream& stream,
+                           const DeviceIndex device_index, const EventFlag flag) const {
+  TORCH_CHECK(
+      device_index == -1 || device_index == stream.device_index(),
+      "Event device index ", static_cast<int>(device_index),
+      " does not match recording stream's device index ",
+      static_cast<int>(stream.device_index()), ".");
+  const KilnStream kiln_stream(stream);
+  auto* kiln_event = static_cast<kilnEvent_t>(*event);
+  if (kiln_event == nullptr) {
+    const unsigned int flags =
+        flag == EventFlag::BACKEND_DEFAULT ? kilnEventDefault : kilnEventDisableTiming;
+    KILN_CHECK(kilnEventCreateWithFlags(&kiln_event, flags));
+    *event = kiln_event;
+  }
+  KILN_CHECK(kilnEventRecord(kiln_event, kiln_stream.stream()));
+}
+
+void KilnGuardImpl::block(void* event, const Stream& stream) const {
+  if (event == nullptr) {
+    return; // never recorded: nothing to wait for
+  }
+  KILN_CHECK(kilnStreamWaitEvent(KilnStream(stream).stream(),
+                                 static_cast<kilnEvent_t>(event), 0));
+}
+
+bool KilnGuardImpl::queryEvent(void* event) const {
+  if (event == nullptr) {
+    return true;
+  }
+  const kilnError_t status = kilnEventQuery(static_cast<kilnEvent_t>(event));
+  if (status == kilnErrorNotReady) {
+    return false;
+  }
+  KILN_CHECK(status);
+  return true;
+}
+
+void KilnGuardImpl::synchronizeEvent(void* event) const {
+  if (event != nullptr) {
+    KILN_CHECK(kilnEventSynchronize(static_cast<kilnEvent_t>(event)));
+  }
+}
+
+double KilnGuardImpl::elapsedTime(void* start, void* end, const DeviceIndex) const {
+  TORCH_CHECK(
+      start != nullptr && end != nullptr,
+      "Both events must be recorded before calculating elapsed time.");
+  float ms = 0;
+  KILN_CHECK(kilnEventElapsedTime(&ms, static_cast<kilnEvent_t>(start),
+                                  static_cast<kilnEvent_t>(end)));
+  return static_cast<double>(ms);
+}
+
+void KilnGuardImpl::recordDataPtrOnStream(const c10::DataPtr& data_ptr,
+                                          const Stream& stream) const {
+  KilnCachingAllocator::recordStream(data_ptr, KilnStream(stream));
+}
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, KilnGuardImpl);
+
+} // namespace c10::kiln

@@ -1,0 +1,162 @@
+// Stream ids, pools and the per-thread current stream.
+#include "core/KilnStream.h"
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "core/KilnException.h"
+#include "core/KilnFunctions.h"
+
+namespace c10::kiln {
+
+// Note [Kiln stream ids]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A c10::Stream carries (device, id). Kiln numbers a device's streams densely:
+//   id 0                               the device's default stream
+//   id 1 + level * kStreamsPerPool + i pool stream i of priority level `level`
+//                                      (level 0: priority 0, level 1: -1)
+// Pool streams are created in the runtime on first use and never destroyed,
+// so a stream id stays meaningful for the life of the process and can be
+// packed into a Python object and back. Unlike CUDA, a device has few streams
+// because each runtime stream owns a worker thread.
+
+namespace {
+
+constexpr int kStreamsPerDevice = 1 + kStreamPriorityLevels * kStreamsPerPool;
+constexpr int kMaxDevices = 64;
+
+struct DeviceStreams {
+  std::mutex mutex; // guards creation of handles
+  std::array<std::atomic<kilnStream_t>, kStreamsPerDevice> handles{};
+  std::array<std::atomic<uint32_t>, kStreamPriorityLevels> next_in_pool{};
+};
+
+DeviceStreams& deviceStreams(DeviceIndex device) {
+  // Leaked on purpose: streams outlive every static destructor.
+  static DeviceStreams* all = new DeviceStreams[kMaxDevices];
+  return all[device];
+}
+
+// Per thread, per device: the id of the current stream (0 = default).
+thread_local std::array<StreamId, kMaxDevices> current_stream_ids{};
+
+DeviceIndex resolveDevice(DeviceIndex device) {
+  if (device < 0) {
+    return current_device();
+  }
+  check_device_index(device);
+  return device;
+}
+
+int levelOfPriority(int priority) {
+  return priority < 0 ? 1 : 0;
+}
+
+int priorityOfId(StreamId id) {
+  if (id == 0) {
+    return 0;
+  }
+  return ((id - 1) / kStreamsPerPool) == 0 ? 0 : -1;
+}
+
+kilnStream_t createHandle(DeviceIndex device, StreamId id) {
+  if (id == 0) {
+    kilnStream_t handle = nullptr;
+    KILN_CHECK(kilnStreamGetDefault(&handle, device));
+    return handle;
+  }
+  const DeviceIndex previous = exchange_device(device);
+  kilnStream_t handle = nullptr;
+  const kilnError_t status =
+      kilnStreamCreateWithPriority(&handle, 0, priorityOfId(id));
+  KILN_WARN(kilnSetDevice(previous));
+  KILN_CHECK(status);
+  return handle;
+}
+
+} // namespace
+
+KilnStream::KilnStream(Stream stream) : stream_(stream) {
+  TORCH_CHECK(
+      stream_.device_type() == DeviceType::PrivateUse1,
+      "Expected a kiln stream, got a stream on ", stream_.device());
+  TORCH_CHECK(
+      stream_.id() >= 0 && stream_.id() < kStreamsPerDevice,
+      "Invalid kiln stream id ", stream_.id(), " (allowed 0 to ",
+      kStreamsPerDevice - 1, ")");
+}
+
+kilnStream_t KilnStream::stream() const {
+  auto& streams = deviceStreams(device_index());
+  auto& slot = streams.handles[static_cast<size_t>(id())];
+  kilnStream_t handle = slot.load(std::memory_order_acquire);
+  if (C10_LIKELY(handle != nullptr)) {
+    return handle;
+  }
+  std::lock_guard<std::mutex> lock(streams.mutex);
+  handle = slot.load(std::memory_order_acquire);
+  if (handle == nullptr) {
+    handle = createHandle(device_index(), id());
+    slot.store(handle, std::memory_order_release);
+  }
+  return handle;
+}
+
+int KilnStream::priority() const {
+  return priorityOfId(id());
+}
+
+bool KilnStream::query() const {
+  const kilnError_t status = kilnStreamQuery(stream());
+  if (status == kilnErrorNotReady) {
+    return false;
+  }
+  KILN_CHECK(status);
+  return true;
+}
+
+void KilnStream::synchronize() const {
+  KILN_CHECK(kilnStreamSynchronize(stream()));
+}
+
+std::pair<int, int> KilnStream::priority_range() {
+  return {0, -1};
+}
+
+KilnStream getDefaultKilnStream(DeviceIndex device) {
+  device = resolveDevice(device);
+  return KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device), 0));
+}
+
+KilnStream getCurrentKilnStream(DeviceIndex device) {
+  device = resolveDevice(device);
+  return KilnStream(Stream(
+      Stream::UNSAFE, Device(DeviceType::PrivateUse1, device),
+      current_stream_ids[static_cast<size_t>(device)]));
+}
+
+void setCurrentKilnStream(KilnStream stream) {
+  check_device_index(stream.device_index());
+  current_stream_ids[static_cast<size_t>(stream.device_index())] = stream.id();
+}
+
+KilnStream getStreamFromPool(int priority, DeviceIndex device) {
+  device = resolveDevice(device);
+  const int level = levelOfPriority(priority);
+  auto& streams = deviceStreams(device);
+  const uint32_t index =
+      streams.next_in_pool[static_cast<size_t>(level)].fetch_add(1) % kStreamsPerPool;
+  const StreamId id = 1 + level * kStreamsPerPool + static_cast<StreamId>(index);
+  return KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device), id));
+}
+
+std::ostream& operator<<(std::ostream& out, const KilnStream& stream) {
+  return out << stream.unwrap();
+}
+
+} // namespace c10::kiln

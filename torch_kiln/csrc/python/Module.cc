@@ -1,0 +1,84 @@
+// torch_kiln._C: the Python bindings behind torch.kiln. Each binding is a thin
+// call into the C++ layer; Python-facing behaviour (argument normalisation,
+// docstrings) lives in torch_kiln/kiln/*.py.
+#include <ATen/Context.h>
+#include <c10/core/DeviceType.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/utils/device_lazy_init.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "aten/OpTracking.h"
+#include "core/KilnFunctions.h"
+#include "core/KilnException.h"
+#include "core/KilnGenerator.h"
+
+namespace py = pybind11;
+
+namespace {
+
+py::tuple deviceProperties(int device) {
+  c10::kiln::check_device_index(static_cast<c10::DeviceIndex>(device));
+  kilnDeviceProp prop{};
+  KILN_CHECK(kilnGetDeviceProperties(&prop, device));
+  return py::make_tuple(std::string(prop.name), static_cast<uint64_t>(prop.totalGlobalMem),
+                        prop.multiProcessorCount);
+}
+
+py::object defaultGenerator(int device) {
+  torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
+  const auto& generator =
+      c10::kiln::getDefaultKilnGenerator(static_cast<c10::DeviceIndex>(device));
+  return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(generator));
+}
+
+py::dict toDict(const std::unordered_map<std::string, int64_t>& counts) {
+  py::dict result;
+  for (const auto& [name, count] : counts) {
+    result[py::str(name)] = count;
+  }
+  return result;
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Kiln's C++ layer (internal; use torch.kiln).";
+
+  m.def("_init", [] {
+    torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
+    c10::kiln::device_count_ensure_non_zero();
+  });
+  m.def("_is_in_bad_fork", [] { return torch::utils::is_device_in_bad_fork(at::kPrivateUse1); });
+  m.def("_get_device_count", [] { return static_cast<int>(c10::kiln::device_count()); });
+  m.def("_get_device", [] { return static_cast<int>(c10::kiln::current_device()); });
+  m.def("_set_device", [](int device) {
+    c10::kiln::set_device(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_exchange_device", [](int device) {
+    if (device < 0) {
+      return -1;
+    }
+    return static_cast<int>(c10::kiln::exchange_device(static_cast<c10::DeviceIndex>(device)));
+  });
+  m.def("_maybe_exchange_device", [](int device) {
+    if (device < 0) {
+      return -1;
+    }
+    return static_cast<int>(
+        c10::kiln::maybe_exchange_device(static_cast<c10::DeviceIndex>(device)));
+  });
+  m.def("_synchronize", [](int device) {
+    py::gil_scoped_release no_gil;
+    c10::kiln::device_synchronize(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_get_device_properties", &deviceProperties);
+  m.def("_get_default_generator", &defaultGenerator);
+  m.def("_launch_blocking", [] {
+    int blocking = 0;
+    KILN_CHECK(kilnGetLaunchBlocking(&blocking));
+    return blocking != 0;
+  });
+  m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
+  m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
+  m.def("_clear_op_tracking", &at::kiln::clearOpTracking);
+}

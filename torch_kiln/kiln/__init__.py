@@ -1,0 +1,208 @@
+"""``torch.kiln``: the kiln device API, mirroring ``torch.cuda``.
+
+Devices are numbered ``kiln:0`` to ``kiln:N-1`` where N is
+``KILN_DEVICE_COUNT`` (default 2). Every function taking ``device`` accepts
+an ``int``, a string such as ``"kiln:1"``, a ``torch.device``, or ``None``
+for the current device, and raises ``RuntimeError`` naming the device count
+for an index outside ``[0, N)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_kiln import _C
+from torch_kiln.kiln._utils import _device_index
+from torch_kiln.kiln.memory import (
+    empty_cache,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+)
+from torch_kiln.kiln.op_tracking import (
+    clear_op_tracking,
+    get_executed_ops,
+    get_sync_ops,
+)
+from torch_kiln.kiln.random import (
+    get_rng_state,
+    get_rng_state_all,
+    initial_seed,
+    manual_seed,
+    manual_seed_all,
+    seed,
+    seed_all,
+    set_rng_state,
+    set_rng_state_all,
+)
+
+_initialized = False
+
+
+def _lazy_init() -> None:
+    """Called by PyTorch before the first kiln tensor is created (and by
+    functions here). Raises ``RuntimeError`` in a process forked after kiln
+    was initialised, and if no kiln device is available."""
+    global _initialized
+    if _is_in_bad_fork():
+        raise RuntimeError(
+            "Cannot re-initialize kiln in a forked subprocess. To use kiln with "
+            "multiprocessing, use the 'spawn' start method "
+            "(torch.multiprocessing.set_start_method('spawn'))."
+        )
+    if _initialized:
+        return
+    _C._init()
+    _initialized = True
+
+
+def _is_in_bad_fork() -> bool:
+    """True in a child process forked after kiln was initialised."""
+    return _C._is_in_bad_fork()
+
+
+def is_initialized() -> bool:
+    """Whether kiln has been initialised in this process."""
+    return _initialized and not _is_in_bad_fork()
+
+
+def init() -> None:
+    """Initialise kiln explicitly (it initialises itself on first use)."""
+    _lazy_init()
+
+
+def is_available() -> bool:
+    """True if at least one kiln device is usable. Never raises."""
+    return _C._get_device_count() > 0
+
+
+def device_count() -> int:
+    """Number of kiln devices (``KILN_DEVICE_COUNT``, default 2); 0 if the
+    runtime cannot start (a warning says why)."""
+    return _C._get_device_count()
+
+
+def current_device() -> int:
+    """Index of the calling thread's current kiln device."""
+    return _C._get_device()
+
+
+def set_device(device: Any) -> None:
+    """Set the calling thread's current kiln device. A negative index is a
+    no-op, as in ``torch.cuda.set_device``."""
+    index = _device_index(device)
+    if index >= 0:
+        _C._set_device(index)
+
+
+class device:
+    """Context manager that makes ``device`` current for its block, then
+    restores the previous one (``torch.cuda.device``). ``None`` or a negative
+    index is a no-op."""
+
+    def __init__(self, device: Any):
+        self.idx = _device_index(device, optional=True)
+        self.prev_idx = -1
+
+    def __enter__(self):
+        self.prev_idx = _C._exchange_device(self.idx)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.idx = _C._maybe_exchange_device(self.prev_idx)
+        return False
+
+
+class device_of(device):
+    """``device`` context manager for the device of tensor ``obj`` (no-op for
+    a CPU tensor)."""
+
+    def __init__(self, obj: torch.Tensor):
+        idx = obj.get_device() if obj.device.type == "kiln" else -1
+        super().__init__(idx)
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait for all work on every stream of ``device`` (default: current),
+    raising the error of a failed kernel if one is pending."""
+    _C._synchronize(_device_index(device, optional=True))
+
+
+class _KilnDeviceProperties:
+    """Properties of a kiln device (like ``torch.cuda.get_device_properties``):
+    ``name`` (str), ``total_memory`` (bytes, ``KILN_DEVICE_MEMORY``),
+    ``multi_processor_count`` (host cores its kernels may use)."""
+
+    def __init__(self, name: str, total_memory: int, multi_processor_count: int):
+        self.name = name
+        self.total_memory = total_memory
+        self.multi_processor_count = multi_processor_count
+
+    def __repr__(self) -> str:
+        return (
+            f"_KilnDeviceProperties(name='{self.name}', "
+            f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+            f"multi_processor_count={self.multi_processor_count})"
+        )
+
+
+def get_device_properties(device: Any = None) -> _KilnDeviceProperties:
+    """Properties of ``device`` (default: current)."""
+    return _KilnDeviceProperties(*_C._get_device_properties(_device_index(device, optional=True)))
+
+
+def get_device_name(device: Any = None) -> str:
+    """Name of ``device`` (default: current)."""
+    return get_device_properties(device).name
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    """Kiln has no compute capability levels; (1, 0) for every device, so
+    code that checks ``>= (x, y)`` for CUDA features can tell it apart."""
+    _device_index(device, optional=True)
+    return (1, 0)
+
+
+__all__ = [
+    "clear_op_tracking",
+    "current_device",
+    "device",
+    "device_count",
+    "device_of",
+    "empty_cache",
+    "get_device_capability",
+    "get_device_name",
+    "get_device_properties",
+    "get_executed_ops",
+    "get_rng_state",
+    "get_rng_state_all",
+    "get_sync_ops",
+    "init",
+    "initial_seed",
+    "is_available",
+    "is_initialized",
+    "manual_seed",
+    "manual_seed_all",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_summary",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "seed",
+    "seed_all",
+    "set_device",
+    "set_rng_state",
+    "set_rng_state_all",
+    "synchronize",
+]

@@ -1,0 +1,37 @@
+"""Which ATen operators ran on kiln, and which ones stalled the device.
+
+Every operator a kiln kernel executes is counted under its ATen name
+(``"aten::add.out"``); operators that forced the host to wait for the device
+(``item()``, ``nonzero``, ``masked_select``, blocking copies to the host,
+printing, ...) are also counted as sync ops. Use them to see what a model
+runs and where it synchronizes, the way one reads a CUDA profile::
+
+    torch.kiln.clear_op_tracking()
+    loss = model(x).sum(); print(loss.item())
+    torch.kiln.get_sync_ops()   # {'aten::_local_scalar_dense': 1}
+"""
+
+from __future__ import annotations
+
+from torch_kiln import _C
+
+
+def _sorted(counts: dict[str, int]) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def get_executed_ops() -> dict[str, int]:
+    """Counts of ATen operators executed on kiln since the last
+    ``clear_op_tracking()``, most frequent first."""
+    return _sorted(_C._get_executed_ops())
+
+
+def get_sync_ops() -> dict[str, int]:
+    """Counts of operators that forced a host-device synchronization since the
+    last ``clear_op_tracking()``, most frequent first."""
+    return _sorted(_C._get_sync_ops())
+
+
+def clear_op_tracking() -> None:
+    """Reset both counters."""
+    _C._clear_op_tracking()

@@ -1,0 +1,73 @@
+"""Random number generation on kiln devices (mirrors ``torch.cuda.random``).
+
+Each kiln device has a default generator. It is PyTorch's CPU generator
+(Mersenne Twister) running on the device, so the same seed and the same
+random ops give the same numbers on kiln as on CPU, and states
+(``get_rng_state``) are CPU-format ``torch.uint8`` tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from torch_kiln import _C
+from torch_kiln.kiln._utils import _device_index
+
+
+def _default_generator(device: Any = None) -> torch.Generator:
+    return _C._get_default_generator(_device_index(device, optional=True))
+
+
+def get_rng_state(device: Any = "kiln") -> torch.Tensor:
+    """State of ``device``'s default generator, as a CPU ``torch.uint8`` tensor."""
+    return _default_generator(device).get_state()
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    """States of all kiln devices' default generators."""
+    return [get_rng_state(i) for i in range(_C._get_device_count())]
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "kiln") -> None:
+    """Set ``device``'s default generator state from ``get_rng_state()``
+    output (a CPU ``torch.uint8`` tensor)."""
+    _default_generator(device).set_state(new_state)
+
+
+def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
+    """Set every device's default generator state."""
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the current kiln device's default generator."""
+    _default_generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed the default generators of all kiln devices."""
+    for i in range(_C._get_device_count()):
+        _default_generator(i).manual_seed(int(seed))
+
+
+def seed() -> None:
+    """Seed the current device's default generator with a random number."""
+    _default_generator().seed()
+
+
+def seed_all() -> None:
+    """Seed all devices' default generators with one random number."""
+    count = _C._get_device_count()
+    if count == 0:
+        return
+    random_seed = _default_generator(0).seed()
+    for i in range(1, count):
+        _default_generator(i).manual_seed(random_seed)
+
+
+def initial_seed() -> int:
+    """The seed of the current device's default generator."""
+    return _default_generator().initial_seed()
