@@ -1,0 +1,102 @@
+"""Autograd on kiln gives CPU's gradients: backward of model ops,
+retain_graph, hooks, no_grad, inference_mode, gradient accumulation, and
+weight tying across .to("kiln")."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import assert_same
+
+
+def grads_of(fn, device, *inputs):
+    leaves = [t.detach().clone().to(device).requires_grad_() for t in inputs]
+    fn(*leaves).backward()
+    return [leaf.grad for leaf in leaves]
+
+
+def check(fn, *inputs):
+    for k, c in zip(grads_of(fn, "kiln", *inputs), grads_of(fn, "cpu", *inputs)):
+        assert_same(k, c)
+
+
+def test_backward_of_common_model_ops():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(8, 5), torch.randn(4, 5), torch.randn(4)
+    check(lambda x, w, b: F.linear(x, w, b).relu().sum(), x, w, b)
+    check(lambda x, w, b: F.gelu(F.linear(x, w, b)).pow(2).mean(), x, w, b)
+    check(lambda x: F.log_softmax(x, -1).sum(), x)
+    check(lambda x: F.layer_norm(x, (5,)).tanh().sum(), x)
+    check(lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], device=x.device)), x)
+    img, k = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+    check(lambda img, k: F.max_pool2d(F.conv2d(img, k, padding=1).relu(), 2).sum(), img, k)
+    q = torch.randn(2, 4, 6, 8)
+    check(lambda q: F.scaled_dot_product_attention(q, q * 0.5, q + 1, is_causal=True).sum(), q)
+    emb = torch.randn(10, 3)
+    check(lambda e: F.embedding(torch.tensor([[1, 2], [2, 9]], device=e.device), e).sum(), emb)
+
+
+def test_retain_graph_and_accumulation():
+    for device in ("cpu", "kiln"):
+        x = torch.arange(4.0, device=device, requires_grad=True)
+        y = (x * x).sum()
+        y.backward(retain_graph=True)
+        y.backward()
+        assert x.grad.tolist() == [0.0, 4.0, 8.0, 12.0]
+
+
+def test_hooks_run_on_kiln_gradients():
+    x = torch.ones(3, device="kiln", requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(g.device) or g * 10)
+    (x * 2).sum().backward()
+    assert seen == [torch.device("kiln:0")]
+    assert x.grad.tolist() == [20.0, 20.0, 20.0]
+
+
+def test_no_grad_and_inference_mode():
+    x = torch.ones(3, device="kiln", requires_grad=True)
+    with torch.no_grad():
+        y = x * 2
+    assert not y.requires_grad
+    with torch.inference_mode():
+        z = x * 3
+    assert z.is_inference() and z.sum().item() == 9.0
+
+
+def test_tied_weights_stay_tied_after_to():
+    head = nn.Linear(4, 10, bias=False)
+    emb = nn.Embedding(10, 4)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    weight = emb.weight
+    model.to("kiln")
+    assert model["head"].weight is model["emb"].weight is weight
+    idx = torch.tensor([[1, 2, 3]], device="kiln")
+    model["head"](model["emb"](idx)).sum().backward()
+    expected_model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
+    expected_model["emb"].weight.data.copy_(weight.detach().cpu())
+    expected_model["head"].weight = expected_model["emb"].weight
+    expected_model["head"](expected_model["emb"](idx.cpu())).sum().backward()
+    assert_same(weight.grad, expected_model["emb"].weight.grad)
+
+
+def test_dropout_matches_cpu_forward_and_backward():
+    x0 = torch.randn(1000)
+    for p in (0.1, 0.3, 0.5):
+        results = []
+        for device in ("cpu", "kiln"):
+            x = x0.clone().to(device).requires_grad_()
+            torch.manual_seed(1)
+            y = F.dropout(x, p)
+            y.sum().backward()
+            results.append((y.detach().cpu(), x.grad.cpu()))
+        assert_same(results[1][0], results[0][0])
+        assert_same(results[1][1], results[0][1])
+    torch.manual_seed(1)
+    a = F.dropout(torch.ones(1000, device="kiln"), 0.5)
+    torch.manual_seed(1)
+    b = F.dropout(torch.ones(1000, device="kiln"), 0.5)
+    assert_same(a, b.cpu())
+    dropped = (a == 0).sum().item()
+    assert 350 <= dropped <= 650

@@ -1,0 +1,68 @@
+"""The main job: both training examples run on kiln by changing only the
+device, and give CPU's per-step losses (issue acceptance numbers)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(script, tmp_path, device, *args):
+    out = tmp_path / f"{script}-{device}.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script), "--device", device,
+         "--json", str(out), *args],
+        capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text()), result.stdout
+
+
+def assert_losses_agree(kiln, cpu, steps):
+    assert len(kiln["steps"]) == len(cpu["steps"]) == steps
+    for k, c in zip(kiln["steps"], cpu["steps"]):
+        assert abs(k - c) <= 1e-5 * abs(c), (k, c)
+
+
+def test_fashion_mnist_first_100_steps_match_cpu(tmp_path):
+    kiln, _ = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--max-steps", "100")
+    cpu, _ = run_example("train_fashion_mnist.py", tmp_path, "cpu", "--max-steps", "100")
+    assert kiln["device"] == "kiln" and cpu["device"] == "cpu"
+    assert_losses_agree(kiln, cpu, 100)
+    for key in ("seed", "test_accuracy", "images_per_s", "seconds"):
+        assert key in kiln
+    assert kiln["images_per_s"] > 0
+
+
+def test_fashion_mnist_one_epoch_on_kiln_reaches_85_percent(tmp_path):
+    kiln, stdout = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--epochs", "1")
+    assert kiln["test_accuracy"] >= 0.85, stdout
+    assert "test accuracy" in stdout and "images/s" in stdout
+
+
+def test_fashion_mnist_missing_data_is_a_clear_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_fashion_mnist.py"),
+         "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Fashion-MNIST not found" in result.stderr
+    assert "train-images-idx3-ubyte.gz" in result.stderr
+
+
+def test_char_gpt_first_100_steps_match_cpu(tmp_path):
+    kiln, _ = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", "100",
+                          "--sample-length", "20")
+    cpu, _ = run_example("train_char_gpt.py", tmp_path, "cpu", "--max-steps", "100",
+                         "--sample-length", "20")
+    assert_losses_agree(kiln, cpu, 100)
+    assert kiln["tokens_per_s"] > 0 and "val_loss" in kiln
+
+
+@pytest.mark.parametrize("device", ["kiln", "cpu"])
+def test_char_gpt_500_steps_validation_loss_below_2_5(tmp_path, device):
+    result, stdout = run_example("train_char_gpt.py", tmp_path, device, "--max-steps", "500")
+    assert result["val_loss"] < 2.5, stdout
+    assert "sample:" in stdout
