@@ -1,0 +1,176 @@
+"""Train a small character-level GPT on Tiny Shakespeare — plain PyTorch.
+
+The device is the only thing that differs between a CPU run and an
+accelerator run: it comes from --device, by default the current accelerator
+(``torch.accelerator.current_accelerator()``, e.g. ``kiln``) or else the CPU.
+
+    python examples/train_char_gpt.py                     # on kiln, 500 steps
+    python examples/train_char_gpt.py --device cpu        # the same on CPU
+    python examples/train_char_gpt.py --max-steps 100 --json run.json
+
+Model (after Karpathy's nanoGPT, github.com/karpathy/nanoGPT): token +
+position embeddings, --layers pre-LayerNorm blocks of causal self-attention
+(torch.nn.functional.scaled_dot_product_attention) and a GELU MLP, a final
+LayerNorm, and an output head tied to the token embedding. AdamW, gradient
+clipping at norm 1.0. Data: data/tinyshakespeare.txt (1.1 MB), first 90%
+for training, the rest for validation; batches of --block-size characters.
+
+With --json PATH it writes {"device", "seed", "steps" (per-step training
+losses), "val_loss" (mean cross-entropy in nats on 20 validation batches),
+"tokens_per_s" (training tokens per second), "seconds" (training wall time)}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tinyshakespeare.txt")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        batch, time_, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, time_, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, time_, width))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    def __init__(self, vocab: int, block_size: int, width: int, layers: int, heads: int):
+        super().__init__()
+        self.block_size = block_size
+        self.token = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(block_size, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.token.weight  # weight tying
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+
+    def forward(self, idx):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.token(idx) + self.position(positions)
+        return self.head(self.ln(self.blocks(x)))
+
+
+def batch_of(data: torch.Tensor, batch: int, block: int, generator: torch.Generator):
+    starts = torch.randint(len(data) - block - 1, (batch,), generator=generator)
+    x = torch.stack([data[s:s + block] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + 1 + block] for s in starts.tolist()])
+    return x, y
+
+
+@torch.no_grad()
+def validation_loss(model, data, args, device) -> float:
+    model.eval()
+    generator = torch.Generator().manual_seed(1234)
+    total = torch.zeros((), device=device)
+    for _ in range(20):
+        x, y = batch_of(data, args.batch_size, args.block_size, generator)
+        logits = model(x.to(device))
+        total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
+    model.train()
+    return total.item() / 20
+
+
+@torch.no_grad()
+def sample(model, prompt: torch.Tensor, length: int, device) -> list[int]:
+    model.eval()
+    idx = prompt.to(device).unsqueeze(0)
+    for _ in range(length):
+        logits = model(idx[:, -model.block_size:])[:, -1]
+        next_id = torch.multinomial(F.softmax(logits / 0.8, dim=-1), 1)
+        idx = torch.cat([idx, next_id], dim=1)
+    model.train()
+    return idx[0].tolist()
+
+
+def main() -> None:
+    default_device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=str(default_device))
+    parser.add_argument("--epochs", type=int, default=1, help="passes of --max-steps steps")
+    parser.add_argument("--max-steps", type=int, default=500, help="training steps per epoch")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-length", type=int, default=200)
+    parser.add_argument("--json", default=None, help="write the run's results to this file")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    with open(DATA, encoding="utf-8") as f:
+        text = f.read()
+    chars = sorted(set(text))
+    encode = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([encode[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+
+    torch.manual_seed(args.seed)
+    model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    torch.manual_seed(args.seed)  # sampling randomness restarts from the seed on every device
+    order = torch.Generator().manual_seed(args.seed)
+    print(f"device {device}, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"{len(chars)} characters, {len(train_data)} training tokens")
+
+    losses: list[float] = []
+    seconds = 0.0
+    val = float("nan")
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        for step in range(args.max_steps):
+            x, y = batch_of(train_data, args.batch_size, args.block_size, order)
+            loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            if (step + 1) % 100 == 0:
+                print(f"step {len(losses)}: train loss {sum(losses[-100:]) / 100:.4f}")
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
+        val = validation_loss(model, val_data, args, device)
+        tokens = args.max_steps * args.batch_size * args.block_size
+        print(f"epoch {epoch + 1}: val loss {val:.4f}, {elapsed:.1f} s, {tokens / elapsed:.0f} tokens/s")
+
+    text_ids = sample(model, data[:1], args.sample_length, device)
+    print("sample:\n" + "".join(chars[i] for i in text_ids))
+    result = {"device": str(device), "seed": args.seed, "steps": losses, "val_loss": val,
+              "tokens_per_s": len(losses) * args.batch_size * args.block_size / seconds if seconds else 0.0,
+              "seconds": seconds}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        print(f"results written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
