@@ -31,3 +31,9 @@ def test_importing_twice_is_harmless():
     result = run_python("import torch, torch_kiln, importlib\nimport torch_kiln\nprint(torch.kiln.is_available())")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+def test_importing_torch_kiln_before_torch():
+    result = run_python("import torch_kiln\nimport torch\nprint(torch.ones(2, device='kiln').device)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "kiln:0"

@@ -14,7 +14,17 @@ The device API mirrors ``torch.cuda`` and lives in ``torch.kiln``
 (``torch_kiln/kiln/``); ``torch.accelerator`` works unchanged.
 """
 
-import torch
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group (PyTorch calls it during
+    ``import torch``): importing this package is the whole registration.
+
+    Defined before ``import torch`` below, because importing ``torch_kiln``
+    first makes ``import torch`` call this entry point while this module is
+    still initialising."""
+
+
+import torch  # noqa: E402
 
 # Loading the extension registers the kiln device with PyTorch's C++ core:
 # device guard, hooks, allocators and kernels for DeviceType::PrivateUse1.
@@ -30,8 +40,3 @@ torch.utils.generate_methods_for_privateuse1_backend(
 )
 
 __all__ = ["kiln"]
-
-
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group: importing this package
-    is the whole registration, so there is nothing left to do here."""
