@@ -32,6 +32,15 @@ from torch_kiln.kiln.op_tracking import (
     get_executed_ops,
     get_sync_ops,
 )
+from torch_kiln.kiln.streams import (
+    Event,
+    Stream,
+    StreamContext,
+    current_stream,
+    default_stream,
+    set_stream,
+    stream,
+)
 from torch_kiln.kiln.random import (
     get_rng_state,
     get_rng_state_all,
@@ -163,6 +172,12 @@ def get_device_name(device: Any = None) -> str:
     return get_device_properties(device).name
 
 
+def _sleep(milliseconds: float) -> None:
+    """Queue device work on the current stream that takes ``milliseconds``
+    (the counterpart of ``torch.cuda._sleep``, for tests of stream order)."""
+    _C._sleep(float(milliseconds))
+
+
 def get_device_capability(device: Any = None) -> tuple[int, int]:
     """Kiln has no compute capability levels; (1, 0) for every device, so
     code that checks ``>= (x, y)`` for CUDA features can tell it apart."""
@@ -171,7 +186,12 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 
 __all__ = [
+    "Event",
+    "Stream",
+    "StreamContext",
     "clear_op_tracking",
+    "current_stream",
+    "default_stream",
     "current_device",
     "device",
     "device_count",
@@ -204,5 +224,7 @@ __all__ = [
     "set_device",
     "set_rng_state",
     "set_rng_state_all",
+    "set_stream",
+    "stream",
     "synchronize",
 ]

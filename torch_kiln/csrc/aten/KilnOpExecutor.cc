@@ -418,8 +418,9 @@ struct KernelTask final : TaskBody {
     }
   }
 
+  // "inputs (Float[4, 3], Long[2])" — the runtime prefixes the op's name.
   std::string describe() const override {
-    std::string text = opName(*info) + "(";
+    std::string text = "inputs (";
     bool first = true;
     for (const c10::IValue& value : args) {
       if (!value.isTensor() || !value.toTensor().defined()) {

@@ -18,9 +18,9 @@ namespace c10::kiln {
 //   - kilnErrorInvalidValue      -> c10::ValueError (ValueError)
 //   - everything else            -> c10::Error (RuntimeError)
 // The message is the runtime's own sentence (what was asked, what is allowed),
-// prefixed by "Kiln error: ". Code that must not throw (PyTorch's noexcept
+// prefixed by "Kiln error: " and followed by the status name. Code that must not throw (PyTorch's noexcept
 // contracts, destructors) uses KILN_WARN instead.
-[[noreturn]] void throwRuntimeError(kilnError_t error, const char* expression);
+[[noreturn]] void throwRuntimeError(kilnError_t error);
 
 // Warns (once per call site is not guaranteed; it warns each time) instead of
 // throwing; for destructors and noexcept paths.
@@ -32,7 +32,7 @@ void warnRuntimeError(kilnError_t error, const char* expression) noexcept;
   do {                                                        \
     const kilnError_t kiln_check_status_ = (EXPR);            \
     if (C10_UNLIKELY(kiln_check_status_ != kilnSuccess)) {    \
-      ::c10::kiln::throwRuntimeError(kiln_check_status_, #EXPR); \
+      ::c10::kiln::throwRuntimeError(kiln_check_status_);        \
     }                                                         \
   } while (0)
 

@@ -11,12 +11,12 @@
 
 namespace c10::kiln {
 
-void throwRuntimeError(kilnError_t error, const char* expression) {
+void throwRuntimeError(kilnError_t error) {
   const char* detail = kilnGetLastErrorMessage();
   std::string message = (detail && *detail) ? std::string(detail)
                                             : std::string(kilnGetErrorString(error));
-  message = "Kiln error: " + message + " [" + kilnGetErrorName(error) + " from " +
-      expression + "]";
+  // The status name lets users search the runtime's documentation.
+  message = "Kiln error: " + message + " (" + kilnGetErrorName(error) + ")";
   switch (error) {
     case kilnErrorMemoryAllocation:
       TORCH_CHECK_WITH(OutOfMemoryError, false, message);

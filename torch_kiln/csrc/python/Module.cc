@@ -7,10 +7,15 @@
 #include <torch/csrc/utils/device_lazy_init.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
+#include <thread>
+
+#include "aten/KilnTask.h"
 #include "aten/OpTracking.h"
 #include "core/KilnFunctions.h"
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
+#include "core/KilnStream.h"
 
 namespace py = pybind11;
 
@@ -77,6 +82,27 @@ PYBIND11_MODULE(_C, m) {
     int blocking = 0;
     KILN_CHECK(kilnGetLaunchBlocking(&blocking));
     return blocking != 0;
+  });
+  m.def("_stream_priority", [](int64_t stream_id) {
+    return c10::kiln::KilnStream(
+               c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, 0), stream_id))
+        .priority();
+  });
+  m.def("_event_elapsed_time", [](uint64_t start, uint64_t end) {
+    TORCH_CHECK(start != 0 && end != 0,
+                "Both events must be recorded before calculating elapsed time.");
+    float ms = 0;
+    KILN_CHECK(kilnEventElapsedTime(&ms, reinterpret_cast<kilnEvent_t>(start),
+                                    reinterpret_cast<kilnEvent_t>(end)));
+    return static_cast<double>(ms);
+  });
+  m.def("_sleep", [](double milliseconds) {
+    // Device work that just takes time (torch.cuda._sleep's counterpart), to
+    // make stream-ordering tests independent of timing luck.
+    const auto stream = c10::kiln::getCurrentKilnStream();
+    at::kiln::launchTask(stream, "kiln::sleep", [milliseconds] {
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
+    });
   });
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });

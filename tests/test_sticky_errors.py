@@ -1,0 +1,38 @@
+"""A kernel that fails on the device leaves a sticky error on its stream:
+later work there is skipped, and the next synchronization raises a
+RuntimeError naming the op and its input shapes; then the stream works again."""
+
+import pytest
+import torch
+
+
+def test_failing_kernel_raises_at_next_synchronization():
+    x = torch.arange(4.0, device="kiln")
+    bad = torch.tensor([0, 9], device="kiln")
+    y = torch.index_select(x, 0, bad)  # returns at once: the failure is on the device
+    z = y + 1  # skipped
+    with pytest.raises(RuntimeError, match=r"index_select.*Float\[4\].*Long\[2\].*index out of range"):
+        torch.kiln.synchronize()
+    # Raised once; the stream works again.
+    torch.kiln.synchronize()
+    assert (torch.ones(2, device="kiln") + 1).sum().item() == 4.0
+    del z
+
+
+def test_sticky_error_surfaces_at_item():
+    x = torch.arange(4.0, device="kiln")
+    y = torch.index_select(x, 0, torch.tensor([7], device="kiln"))
+    with pytest.raises(RuntimeError, match="index_select"):
+        y.sum().item()
+    assert x.sum().item() == 6.0
+
+
+def test_error_on_side_stream_stays_on_that_stream():
+    s = torch.kiln.Stream()
+    x = torch.arange(4.0, device="kiln")
+    with torch.kiln.stream(s):
+        torch.index_select(x, 0, torch.tensor([5], device="kiln"))
+    assert (x * 2).sum().item() == 12.0  # the default stream is unaffected
+    with pytest.raises(RuntimeError, match="index_select"):
+        s.synchronize()
+    s.synchronize()

@@ -1,0 +1,135 @@
+"""Streams and events of kiln devices (mirrors ``torch.cuda.streams``).
+
+A kiln stream is an in-order queue of device work run by its own worker
+thread; work on different streams may overlap. Every device has a default
+stream (id 0) and a pool of streams per priority (0 normal, -1 high), handed
+out round-robin like CUDA's. Events mark points in a stream: record, wait
+(make another stream wait), query, synchronize, and elapsed_time in
+milliseconds, read from the device's clock when the marker ran.
+
+``torch.Stream(device="kiln")`` and ``torch.Event(device="kiln")`` are the
+same objects; ``torch.kiln.Stream`` and ``torch.kiln.Event`` add CUDA's
+constructor signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_kiln import _C
+from torch_kiln.kiln._utils import _device_index
+
+
+class Stream(torch.Stream):
+    """A kiln stream (``torch.cuda.Stream``'s interface).
+
+    Args:
+        device: the kiln device (int, ``"kiln:N"``, ``torch.device``); default
+            the current device.
+        priority: 0 (normal, default) or negative (high). Kiln has two levels,
+            as reported by ``priority_range()``; like CUDA, lower is higher.
+
+    Use ``with torch.kiln.stream(s):`` (or ``with s:``) to make it current.
+    """
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs):
+        if {"stream_id", "device_index", "device_type"} & kwargs.keys():
+            return super().__new__(cls, **kwargs)  # wrapping an existing stream
+        index = _device_index(device, optional=True)
+        return super().__new__(cls, device=torch.device("kiln", index), priority=priority)
+
+    @property
+    def priority(self) -> int:
+        """0 for normal-priority streams (and the default stream), -1 for high."""
+        return _C._stream_priority(self.stream_id)
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) priority: (0, -1), as ``torch.cuda.Stream`` reports."""
+        return (0, -1)
+
+    def __repr__(self) -> str:
+        return f"<torch.kiln.Stream device=kiln:{self.device_index} id={self.stream_id}>"
+
+
+class Event(torch.Event):
+    """A kiln event (``torch.cuda.Event``'s interface).
+
+    Args:
+        enable_timing: record timestamps so ``elapsed_time`` works.
+        blocking: accepted for compatibility; synchronize always blocks.
+        interprocess: not supported on kiln (raises ``RuntimeError``).
+    """
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        if interprocess:
+            raise RuntimeError("Kiln events cannot be shared between processes (interprocess=True).")
+        return super().__new__(cls, device="kiln", enable_timing=enable_timing, blocking=blocking)
+
+    def elapsed_time(self, end_event: torch.Event) -> float:
+        """Milliseconds between this event's and ``end_event``'s completions,
+        by the device clock. Both must have been recorded with
+        ``enable_timing=True``; raises ``RuntimeError`` otherwise."""
+        return _C._event_elapsed_time(self.event_id, end_event.event_id)
+
+
+def _wrap(stream: torch.Stream) -> Stream:
+    return Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                  device_type=stream.device_type)
+
+
+def current_stream(device: Any = None) -> Stream:
+    """The calling thread's current stream of ``device`` (default: current device)."""
+    return _wrap(torch.accelerator.current_stream(_device_index(device, optional=True)))
+
+
+def default_stream(device: Any = None) -> Stream:
+    """The default stream of ``device`` (default: current device)."""
+    current = torch.accelerator.current_stream(_device_index(device, optional=True))
+    return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
+
+
+def set_stream(stream: torch.Stream | None) -> None:
+    """Make ``stream`` the current stream of its device and its device the
+    current device, as ``torch.cuda.set_stream`` does. ``None`` is a no-op."""
+    if stream is None:
+        return
+    if stream.device.type != "kiln":
+        raise ValueError(f"Expected a kiln stream, got a stream on {stream.device}.")
+    _C._set_device(stream.device_index)
+    torch.accelerator.set_stream(stream)
+
+
+class StreamContext:
+    """Context manager selecting a stream (``torch.kiln.stream(s)``): inside
+    the block ``s`` is the current stream and its device the current device;
+    both are restored on exit. ``None`` makes it a no-op."""
+
+    def __init__(self, stream: torch.Stream | None):
+        self.stream = stream
+        self.src_prev_stream: torch.Stream | None = None
+        self.dst_prev_stream: torch.Stream | None = None
+
+    def __enter__(self):
+        if self.stream is None:
+            return None
+        self.src_prev_stream = current_stream()
+        if self.src_prev_stream.device != self.stream.device:
+            self.dst_prev_stream = current_stream(self.stream.device_index)
+        set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.stream is None:
+            return False
+        if self.dst_prev_stream is not None:
+            torch.accelerator.set_stream(self.dst_prev_stream)
+        set_stream(self.src_prev_stream)
+        return False
+
+
+def stream(stream: torch.Stream | None) -> StreamContext:
+    """``with torch.kiln.stream(s): ...`` runs the block's kiln work on ``s``."""
+    return StreamContext(stream)
