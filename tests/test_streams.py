@@ -29,6 +29,7 @@ def test_generic_torch_stream():
     s = torch.Stream(device="kiln")
     assert s.device_type == torch.kiln.current_stream().device_type
     x = torch.ones(1000, device="kiln")
+    s.wait_stream(torch.kiln.current_stream())  # x is written on the default stream
     with s:
         y = x * 2
     s.synchronize()

@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
 #include "aten/LayoutCache.h"
 #include "aten/OpSchemaInfo.h"
@@ -231,37 +232,35 @@ c10::IValue snapshotHostScalars(const c10::IValue& value, ArgKind kind) {
   return value;
 }
 
-// Host arguments for the CPU kernel: host aliases of kiln tensors, the kiln
-// generator's engine for generators, CPU for kiln devices.
+// The value a CPU kernel gets for a generator or device argument: the kiln
+// generator's engine (Note [Kiln random numbers]) and the CPU device.
+c10::IValue hostValueOf(const OpSchemaInfo& info, const c10::IValue& value, ArgKind kind,
+                        const KilnStream& stream) {
+  if (kind == ArgKind::Generator) {
+    at::Generator generator = value.isNone()
+        ? c10::kiln::getDefaultKilnGenerator(stream.device_index())
+        : value.toGenerator();
+    TORCH_CHECK(
+        generator.device().is_privateuseone(),
+        "Expected a generator on a kiln device for ", opName(info), ", but got a ",
+        generator.device().type(), " generator. Create it with torch.Generator(device=\"kiln\").");
+    return c10::IValue(generator.get<c10::kiln::KilnGeneratorImpl>()->engineForLaunch(stream));
+  }
+  if (kind == ArgKind::Device && value.isDevice() && value.toDevice().is_privateuseone()) {
+    return c10::IValue(c10::Device(c10::kCPU));
+  }
+  return snapshotHostScalars(value, kind);
+}
+
+// Host arguments for the CPU kernel, built now (the synchronous path).
 Stack hostArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
                     TensorAliaser& aliaser, const KilnStream& stream) {
   Stack args;
   const size_t num_args = info.arg_kinds.size();
   args.reserve(num_args);
   for (size_t i = 0; i < num_args; ++i) {
-    const c10::IValue& value = stack[first + i];
-    switch (info.arg_kinds[i]) {
-      case ArgKind::Generator: {
-        at::Generator generator = value.isNone()
-            ? c10::kiln::getDefaultKilnGenerator(stream.device_index())
-            : value.toGenerator();
-        TORCH_CHECK(
-            generator.device().is_privateuseone(),
-            "Expected a generator on a kiln device for ", opName(info), ", but got a ",
-            generator.device().type(), " generator. Create it with torch.Generator(device=\"kiln\").");
-        auto* impl = generator.get<c10::kiln::KilnGeneratorImpl>();
-        args.emplace_back(impl->engineForLaunch(stream));
-        break;
-      }
-      case ArgKind::Device:
-        args.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
-                              ? c10::IValue(c10::Device(c10::kCPU))
-                              : value);
-        break;
-      default:
-        args.push_back(aliasValue(snapshotHostScalars(value, info.arg_kinds[i]),
-                                  info.arg_kinds[i], aliaser));
-    }
+    const ArgKind kind = info.arg_kinds[i];
+    args.push_back(aliasValue(hostValueOf(info, stack[first + i], kind, stream), kind, aliaser));
   }
   return args;
 }
@@ -374,69 +373,6 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
   }
   return outcome;
 }
-
-// ---------------------------------------------------------------- tasks
-
-// The CPU kernel call of step 3, run on the stream.
-struct KernelTask final : TaskBody {
-  c10::OperatorHandle op;
-  std::optional<c10::OperatorHandle> out_op;
-  Stack args;
-  std::vector<at::Tensor> outputs; // host aliases of fresh outputs, in return order
-  const OpSchemaInfo* info = nullptr;
-
-  KernelTask(c10::OperatorHandle op_) : op(std::move(op_)) {}
-
-  void run() override {
-    Stack stack = args;
-    if (out_op.has_value()) {
-      for (const auto& out : outputs) {
-        stack.emplace_back(out);
-      }
-      out_op->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
-      return;
-    }
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
-    size_t next = 0;
-    for (size_t r = 0; r < info->returns.size(); ++r) {
-      if (info->returns[r].kind != ReturnKind::Fresh) {
-        continue;
-      }
-      if (info->returns[r].is_list) {
-        for (const c10::IValue& element : stack[r].toListRef()) {
-          copyResult(outputs[next++], element);
-        }
-      } else {
-        copyResult(outputs[next++], stack[r]);
-      }
-    }
-  }
-
-  static void copyResult(at::Tensor& output, const c10::IValue& result) {
-    if (output.defined()) {
-      output.copy_(result.toTensor());
-    }
-  }
-
-  // "inputs (Float[4, 3], Long[2])" — the runtime prefixes the op's name.
-  std::string describe() const override {
-    std::string text = "inputs (";
-    bool first = true;
-    for (const c10::IValue& value : args) {
-      if (!value.isTensor() || !value.toTensor().defined()) {
-        continue;
-      }
-      const at::Tensor& t = value.toTensor();
-      text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + "[";
-      for (size_t d = 0; d < static_cast<size_t>(t.dim()); ++d) {
-        text += (d ? ", " : "") + std::to_string(t.size(static_cast<int64_t>(d)));
-      }
-      text += "]";
-      first = false;
-    }
-    return text + ")";
-  }
-};
 
 // ---------------------------------------------------------------- sync path
 
@@ -647,18 +583,16 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   // Step 3: the kernel on the stream (nothing to do for pure views).
   if (info.has_mutable_args || info.has_fresh_returns) {
     const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
-    TensorAliaser host_aliaser(c10::kCPU);
-    auto task = std::make_unique<KernelTask>(op);
-    task->info = &info;
-    task->args = hostArguments(info, *stack, first, host_aliaser, stream);
-    task->out_op = info.out_overload;
-    for (const auto& output : fresh) {
-      task->outputs.push_back(host_aliaser.alias(output));
-      if (!output.defined()) {
-        task->out_op.reset(); // out= overloads need every output
-      }
+    KernelLaunch* launch = KernelLaunch::acquire();
+    launch->setOperator(op, info.out_overload, info);
+    for (size_t i = 0; i < num_args; ++i) {
+      const ArgKind kind = info.arg_kinds[i];
+      launch->addArgument(hostValueOf(info, (*stack)[first + i], kind, stream), kind);
     }
-    launchTaskBody(stream, info.schema->name().c_str(), std::move(task));
+    for (const auto& output : fresh) {
+      launch->addOutput(output);
+    }
+    launch->launch(stream);
   }
 
   torch::jit::drop(*stack, num_args);

@@ -14,16 +14,6 @@ struct TaskRecord {
   std::unique_ptr<TaskBody> body;
 };
 
-void prepareWorkerThread() {
-  // Stream workers are plain threads: give them PyTorch's intra-op thread
-  // settings once, as PyTorch does for its own pool threads.
-  thread_local bool prepared = [] {
-    at::init_num_threads();
-    return true;
-  }();
-  (void)prepared;
-}
-
 kilnError_t runTask(void* user_data) {
   auto* record = static_cast<TaskRecord*>(user_data);
   try {
@@ -55,6 +45,16 @@ void releaseTask(void* user_data) {
 }
 
 } // namespace
+
+void prepareWorkerThread() {
+  // Stream workers are plain threads: give them PyTorch's intra-op thread
+  // settings once, as PyTorch does for its own pool threads.
+  thread_local bool prepared = [] {
+    at::init_num_threads();
+    return true;
+  }();
+  (void)prepared;
+}
 
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body) {

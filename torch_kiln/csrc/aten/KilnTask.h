@@ -33,6 +33,10 @@ struct TaskBody {
   virtual std::string describe() const { return {}; }
 };
 
+// Gives a stream worker PyTorch's intra-op thread settings, once per thread;
+// every task that runs ATen kernels calls it first.
+void prepareWorkerThread();
+
 // `name` must outlive the task (use a string literal or an operator name).
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body);

@@ -1,29 +1,29 @@
 #include "aten/TensorAliases.h"
 
+#include "aten/KernelLaunch.h"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/TensorImpl.h>
 
 namespace at::kiln {
 
-c10::Storage TensorAliaser::storageFor(const c10::Storage& source) {
-  c10::StorageImpl* key = source.unsafeGetStorageImpl();
-  for (auto& [impl, storage] : storages_) {
-    if (impl == key) {
+c10::Storage TensorAliaser::storageFor(const void* key, void* data, size_t nbytes) {
+  for (auto& [k, storage] : storages_) {
+    if (k == key) {
       return storage;
     }
   }
   c10::Storage storage;
   if (target_ == c10::kMeta) {
     // Resizable, so meta kernels of out= ops can resize their output.
-    storage = c10::Storage(c10::Storage::use_byte_size_t(), source.nbytes(),
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
                            c10::DataPtr(nullptr, c10::Device(c10::kMeta)),
                            c10::GetAllocator(c10::kMeta), /*resizable=*/true);
   } else {
     // Non-owning: the kiln storage keeps the memory; a kernel that tried to
     // reallocate it would fail rather than silently write elsewhere.
-    storage = c10::Storage(c10::Storage::use_byte_size_t(), source.nbytes(),
-                           c10::DataPtr(source.unsafeGetStorageImpl()->mutable_data(),
-                                        c10::Device(c10::kCPU)),
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
+                           c10::DataPtr(data, c10::Device(c10::kCPU)),
                            /*allocator=*/nullptr, /*resizable=*/false);
   }
   storages_.emplace_back(key, storage);
@@ -40,7 +40,9 @@ at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
     // which they can only do for CPU tensors.
     return tensor;
   }
-  c10::Storage storage = storageFor(tensor.storage());
+  c10::StorageImpl* source_storage = tensor.storage().unsafeGetStorageImpl();
+  c10::Storage storage =
+      storageFor(source_storage, source_storage->mutable_data(), source_storage->nbytes());
   const c10::DispatchKey key = target_ == c10::kMeta ? c10::DispatchKey::Meta
                                                      : c10::DispatchKey::CPU;
   auto impl = c10::make_intrusive<c10::TensorImpl>(
@@ -49,6 +51,23 @@ at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
   impl->set_sizes_and_strides(source->sizes(), source->strides(), source->storage_offset());
   impl->_set_conj(source->is_conj());
   impl->_set_neg(source->is_neg());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor TensorAliaser::alias(const TensorDescriptor& d) {
+  TORCH_INTERNAL_ASSERT(target_ == c10::kCPU, "descriptors alias to host tensors only");
+  if (!d.defined) {
+    return at::Tensor();
+  }
+  if (d.host_tensor.defined()) {
+    return d.host_tensor;
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      storageFor(d.storage_key, d.data, d.nbytes), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      c10::scalarTypeToTypeMeta(d.dtype));
+  impl->set_sizes_and_strides(d.sizes, d.strides, d.storage_offset);
+  impl->_set_conj(d.is_conj);
+  impl->_set_neg(d.is_neg);
   return at::Tensor(std::move(impl));
 }
 

@@ -28,18 +28,22 @@
 
 namespace at::kiln {
 
+struct TensorDescriptor; // KernelLaunch.h
+
 class TensorAliaser {
  public:
   explicit TensorAliaser(c10::DeviceType target) : target_(target) {}
 
   // Undefined tensors map to undefined tensors.
   at::Tensor alias(const at::Tensor& tensor);
+  // The same for a tensor recorded as a descriptor (host aliases only).
+  at::Tensor alias(const TensorDescriptor& descriptor);
 
  private:
-  c10::Storage storageFor(const c10::Storage& source);
+  c10::Storage storageFor(const void* key, void* data, size_t nbytes);
 
   c10::DeviceType target_;
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> storages_;
+  c10::SmallVector<std::pair<const void*, c10::Storage>, 4> storages_;
 };
 
 } // namespace at::kiln

@@ -1,0 +1,276 @@
+#include "aten/KernelLaunch.h"
+
+#include <exception>
+#include <mutex>
+
+#include <c10/util/Exception.h>
+
+#include "aten/KilnTask.h"
+#include "aten/TensorAliases.h"
+#include "core/KilnException.h"
+
+namespace at::kiln {
+namespace {
+
+// Finished launch records, waiting to be reused (Note [Kernel launches are
+// built on the worker]). Records beyond kMaxPooled are deleted.
+constexpr size_t kMaxPooled = 4096;
+
+struct LaunchPool {
+  std::mutex mutex;
+  std::vector<KernelLaunch*> records;
+};
+
+LaunchPool& pool() {
+  static auto* instance = new LaunchPool(); // leaked: workers may release at exit
+  return *instance;
+}
+
+} // namespace
+
+void TensorDescriptor::assign(const at::Tensor& tensor) {
+  defined = tensor.defined();
+  host_tensor = at::Tensor();
+  if (!defined) {
+    return;
+  }
+  if (tensor.device().is_cpu()) {
+    host_tensor = tensor; // a host scalar; the executor made a private copy
+    return;
+  }
+  const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  storage_key = storage;
+  data = const_cast<c10::StorageImpl*>(storage)->mutable_data();
+  nbytes = storage->nbytes();
+  dtype = tensor.scalar_type();
+  storage_offset = tensor.storage_offset();
+  sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
+  strides.assign(tensor.strides().begin(), tensor.strides().end());
+  is_conj = tensor.is_conj();
+  is_neg = tensor.is_neg();
+}
+
+KernelLaunch* KernelLaunch::acquire() {
+  KernelLaunch* record = nullptr;
+  {
+    auto& p = pool();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    if (!p.records.empty()) {
+      record = p.records.back();
+      p.records.pop_back();
+    }
+  }
+  if (record == nullptr) {
+    return new KernelLaunch();
+  }
+  record->clear();
+  return record;
+}
+
+void KernelLaunch::clear() {
+  if (cleared_) {
+    return;
+  }
+  op_.reset();
+  out_op_.reset();
+  info_ = nullptr;
+  arguments_.clear();
+  for (size_t i = 0; i < used_descriptors_; ++i) {
+    descriptors_[i].host_tensor = at::Tensor();
+  }
+  used_descriptors_ = 0;
+  first_output_ = 0;
+  output_count_ = 0;
+  cleared_ = true;
+}
+
+TensorDescriptor& KernelLaunch::nextDescriptor() {
+  if (used_descriptors_ == descriptors_.size()) {
+    descriptors_.emplace_back();
+  }
+  return descriptors_[used_descriptors_++];
+}
+
+void KernelLaunch::setOperator(const c10::OperatorHandle& op,
+                               const std::optional<c10::OperatorHandle>& out_op,
+                               const OpSchemaInfo& info) {
+  cleared_ = false;
+  op_ = op;
+  out_op_ = out_op;
+  info_ = &info;
+}
+
+void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind) {
+  Argument argument;
+  argument.kind = kind;
+  argument.first = static_cast<uint32_t>(used_descriptors_);
+  switch (kind) {
+    case ArgKind::Tensor:
+    case ArgKind::OptionalTensor:
+      if (value.isTensor()) {
+        nextDescriptor().assign(value.toTensor());
+        argument.count = 1;
+      }
+      break;
+    case ArgKind::TensorList:
+    case ArgKind::OptionalTensorList:
+      for (const c10::IValue& element : value.toListRef()) {
+        TensorDescriptor& d = nextDescriptor();
+        if (element.isTensor()) {
+          d.assign(element.toTensor());
+        } else {
+          d.assign(at::Tensor());
+        }
+        argument.count++;
+      }
+      break;
+    default:
+      argument.value = value;
+  }
+  arguments_.push_back(std::move(argument));
+}
+
+void KernelLaunch::addOutput(const at::Tensor& output) {
+  if (output_count_ == 0) {
+    first_output_ = static_cast<uint32_t>(used_descriptors_);
+  }
+  nextDescriptor().assign(output);
+  output_count_++;
+  if (!output.defined()) {
+    out_op_.reset(); // out= overloads need every output
+  }
+}
+
+void KernelLaunch::run() {
+  TensorAliaser aliaser(c10::kCPU);
+  auto alias = [&](uint32_t index) { return aliaser.alias(descriptors_[index]); };
+  torch::jit::Stack stack;
+  stack.reserve(arguments_.size() + output_count_);
+  for (const Argument& argument : arguments_) {
+    switch (argument.kind) {
+      case ArgKind::Tensor:
+        stack.emplace_back(argument.count == 1 ? alias(argument.first) : at::Tensor());
+        break;
+      case ArgKind::OptionalTensor:
+        if (argument.count == 1 && descriptors_[argument.first].defined) {
+          stack.emplace_back(alias(argument.first));
+        } else {
+          stack.emplace_back();
+        }
+        break;
+      case ArgKind::TensorList: {
+        c10::List<at::Tensor> list;
+        list.reserve(argument.count);
+        for (uint32_t i = 0; i < argument.count; ++i) {
+          list.push_back(alias(argument.first + i));
+        }
+        stack.emplace_back(std::move(list));
+        break;
+      }
+      case ArgKind::OptionalTensorList: {
+        c10::List<std::optional<at::Tensor>> list;
+        list.reserve(argument.count);
+        for (uint32_t i = 0; i < argument.count; ++i) {
+          const uint32_t index = argument.first + i;
+          list.push_back(descriptors_[index].defined ? std::optional<at::Tensor>(alias(index))
+                                                     : std::nullopt);
+        }
+        stack.emplace_back(std::move(list));
+        break;
+      }
+      default:
+        stack.push_back(argument.value);
+    }
+  }
+  const c10::DispatchKeySet cpu(c10::DispatchKey::CPU);
+  if (out_op_.has_value()) {
+    for (uint32_t i = 0; i < output_count_; ++i) {
+      stack.emplace_back(alias(first_output_ + i));
+    }
+    out_op_->redispatchBoxed(cpu, &stack);
+    return;
+  }
+  op_->redispatchBoxed(cpu, &stack);
+  // Copy fresh results into the preallocated outputs, in return order.
+  uint32_t next = 0;
+  auto copyInto = [&](const c10::IValue& result) {
+    const uint32_t index = first_output_ + next++;
+    if (descriptors_[index].defined && result.isTensor()) {
+      alias(index).copy_(result.toTensor());
+    }
+  };
+  for (size_t r = 0; r < info_->returns.size(); ++r) {
+    if (info_->returns[r].kind != ReturnKind::Fresh) {
+      continue;
+    }
+    if (info_->returns[r].is_list) {
+      for (const c10::IValue& element : stack[r].toListRef()) {
+        copyInto(element);
+      }
+    } else {
+      copyInto(stack[r]);
+    }
+  }
+}
+
+// "inputs (Float[4, 3], Long[2])" — the runtime prefixes the op's name.
+std::string KernelLaunch::describe() const {
+  std::string text = "inputs (";
+  bool first = true;
+  const size_t end = output_count_ > 0 ? first_output_ : used_descriptors_;
+  for (size_t i = 0; i < end; ++i) {
+    const TensorDescriptor& d = descriptors_[i];
+    if (!d.defined) {
+      continue;
+    }
+    const auto dtype = d.host_tensor.defined() ? d.host_tensor.scalar_type() : d.dtype;
+    const auto sizes = d.host_tensor.defined() ? d.host_tensor.sizes() : c10::IntArrayRef(d.sizes);
+    text += (first ? "" : ", ") + std::string(c10::toString(dtype)) + "[";
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      text += (k ? ", " : "") + std::to_string(sizes[k]);
+    }
+    text += "]";
+    first = false;
+  }
+  return text + ")";
+}
+
+kilnError_t KernelLaunch::runTask(void* self) {
+  auto* record = static_cast<KernelLaunch*>(self);
+  std::string message;
+  try {
+    prepareWorkerThread();
+    record->run();
+    return kilnSuccess;
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    message = e.what();
+  } catch (...) {
+    message = "unknown C++ exception";
+  }
+  message = record->describe() + ": " + message;
+  kilnTaskSetErrorMessage(message.c_str());
+  return kilnErrorLaunchFailure;
+}
+
+void KernelLaunch::releaseTask(void* self) {
+  auto* record = static_cast<KernelLaunch*>(self);
+  auto& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mutex);
+    if (p.records.size() < kMaxPooled) {
+      p.records.push_back(record);
+      return;
+    }
+  }
+  delete record;
+}
+
+void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
+  // On failure the runtime has already called releaseTask.
+  KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
+                            info_->schema->name().c_str()));
+}
+
+} // namespace at::kiln
