@@ -537,7 +537,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   const size_t num_returns = info.returns.size();
   Stack results;
   results.reserve(num_returns);
-  std::vector<at::Tensor> fresh;
+  c10::SmallVector<at::Tensor, 4> fresh;
   for (size_t r = 0; r < num_returns; ++r) {
     const ReturnInfo& ret = info.returns[r];
     const auto& layouts = outcome.returns[r];
@@ -577,7 +577,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     }
   }
   if (cached == nullptr && signature.has_value() && !computed.uncacheable) {
-    LayoutCache::insert(std::move(*signature), std::move(computed));
+    LayoutCache::insert(*signature, std::move(computed));
   }
 
   // Step 3: the kernel on the stream (nothing to do for pure views).

@@ -31,7 +31,7 @@ int64_t bitsOf(double value) {
 }
 
 void appendTensor(LayoutCache::Signature& sig, const at::Tensor& t,
-                  std::vector<const c10::StorageImpl*>& storages) {
+                  c10::SmallVectorImpl<const c10::StorageImpl*>& storages) {
   if (!t.defined()) {
     sig.push_back(kUndefinedTensor);
     return;
@@ -67,7 +67,7 @@ void appendTensor(LayoutCache::Signature& sig, const at::Tensor& t,
 // Appends `value`; returns false for values that cannot be keyed. With
 // `types_only`, floating-point and complex scalars contribute their type alone.
 bool appendValue(LayoutCache::Signature& sig, const c10::IValue& value,
-                 std::vector<const c10::StorageImpl*>& storages, bool types_only) {
+                 c10::SmallVectorImpl<const c10::StorageImpl*>& storages, bool types_only) {
   if (value.isNone()) {
     sig.push_back(kNone);
   } else if (value.isTensor()) {
@@ -126,8 +126,11 @@ bool appendValue(LayoutCache::Signature& sig, const c10::IValue& value,
   return true;
 }
 
+// Transparent hash and equality, so lookups take the stack-built signature
+// without copying it into a key.
 struct SignatureHash {
-  size_t operator()(const LayoutCache::Signature& sig) const noexcept {
+  using is_transparent = void;
+  size_t operator()(c10::ArrayRef<int64_t> sig) const noexcept {
     size_t seed = sig.size();
     for (const int64_t v : sig) {
       seed = c10::hash_combine(seed, static_cast<size_t>(v));
@@ -136,7 +139,14 @@ struct SignatureHash {
   }
 };
 
-using Table = std::unordered_map<LayoutCache::Signature, MetaOutcome, SignatureHash>;
+struct SignatureEqual {
+  using is_transparent = void;
+  bool operator()(c10::ArrayRef<int64_t> a, c10::ArrayRef<int64_t> b) const noexcept {
+    return a.equals(b);
+  }
+};
+
+using Table = std::unordered_map<std::vector<int64_t>, MetaOutcome, SignatureHash, SignatureEqual>;
 
 Table& table() {
   thread_local Table entries;
@@ -164,9 +174,8 @@ std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInf
                                                              const torch::jit::Stack& stack,
                                                              size_t first) {
   Signature sig;
-  sig.reserve(64);
   sig.push_back(reinterpret_cast<int64_t>(info.schema));
-  std::vector<const c10::StorageImpl*> storages;
+  c10::SmallVector<const c10::StorageImpl*, 8> storages;
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_kinds[i] == ArgKind::Generator) {
       sig.push_back(kNone); // generators do not affect layouts
@@ -181,16 +190,16 @@ std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInf
 
 const MetaOutcome* LayoutCache::find(const Signature& signature) {
   auto& entries = table();
-  const auto it = entries.find(signature);
+  const auto it = entries.find(c10::ArrayRef<int64_t>(signature));
   return it == entries.end() ? nullptr : &it->second;
 }
 
-void LayoutCache::insert(Signature signature, MetaOutcome outcome) {
+void LayoutCache::insert(const Signature& signature, MetaOutcome outcome) {
   auto& entries = table();
   if (entries.size() >= kMaxEntries) {
     entries.clear();
   }
-  entries.emplace(std::move(signature), std::move(outcome));
+  entries.emplace(std::vector<int64_t>(signature.begin(), signature.end()), std::move(outcome));
 }
 
 } // namespace at::kiln

@@ -32,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/stack.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/SmallVector.h>
 
 #include "aten/OpSchemaInfo.h"
 
@@ -63,7 +64,8 @@ struct MetaOutcome {
 
 class LayoutCache {
  public:
-  using Signature = std::vector<int64_t>;
+  // Built on the stack for lookups; copied into the table on insert.
+  using Signature = c10::SmallVector<int64_t, 64>;
 
   // The signature of a call, or nullopt if the arguments cannot be keyed.
   static std::optional<Signature> signatureOf(const OpSchemaInfo& info,
@@ -72,7 +74,7 @@ class LayoutCache {
   // The cached outcome for `signature`, or nullptr. The pointer is valid
   // until the next insert() on this thread.
   static const MetaOutcome* find(const Signature& signature);
-  static void insert(Signature signature, MetaOutcome outcome);
+  static void insert(const Signature& signature, MetaOutcome outcome);
 };
 
 } // namespace at::kiln

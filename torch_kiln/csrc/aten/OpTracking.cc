@@ -5,10 +5,18 @@
 namespace at::kiln {
 namespace {
 
+// Counts keyed by a stable pointer (the operator's name inside its schema, or
+// a string literal), so counting costs a pointer hash and an increment; the
+// name string is built once, at an op's first appearance.
+struct Counter {
+  std::string name;
+  int64_t count = 0;
+};
+
 struct Counters {
   std::mutex mutex;
-  std::unordered_map<std::string, int64_t> executed;
-  std::unordered_map<std::string, int64_t> sync;
+  std::unordered_map<const void*, Counter> executed;
+  std::unordered_map<const void*, Counter> sync;
 };
 
 Counters& counters() {
@@ -20,42 +28,53 @@ std::string nameOf(const c10::OperatorName& op) {
   return op.overload_name.empty() ? op.name : op.name + "." + op.overload_name;
 }
 
+template <typename MakeName>
+void bump(std::unordered_map<const void*, Counter>& table, const void* key, MakeName&& make_name) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto [it, inserted] = table.try_emplace(key);
+  if (inserted) {
+    it->second.name = make_name();
+  }
+  it->second.count++;
+}
+
+std::unordered_map<std::string, int64_t> snapshot(const std::unordered_map<const void*, Counter>& table) {
+  std::unordered_map<std::string, int64_t> result;
+  for (const auto& [key, counter] : table) {
+    result[counter.name] += counter.count; // an op may be counted under two keys
+  }
+  return result;
+}
+
 } // namespace
 
 void recordExecutedOp(const c10::OperatorName& op) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.executed[nameOf(op)]++;
+  bump(counters().executed, &op, [&] { return nameOf(op); });
 }
 
 void recordExecutedOp(const char* name) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.executed[name]++;
+  bump(counters().executed, name, [&] { return std::string(name); });
 }
 
 void recordSyncOp(const c10::OperatorName& op) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.sync[nameOf(op)]++;
+  bump(counters().sync, &op, [&] { return nameOf(op); });
 }
 
 void recordSyncOp(const char* name) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.sync[name]++;
+  bump(counters().sync, name, [&] { return std::string(name); });
 }
 
 std::unordered_map<std::string, int64_t> executedOps() {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  return c.executed;
+  return snapshot(c.executed);
 }
 
 std::unordered_map<std::string, int64_t> syncOps() {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  return c.sync;
+  return snapshot(c.sync);
 }
 
 void clearOpTracking() {

@@ -17,9 +17,10 @@
 namespace at::kiln {
 
 void recordExecutedOp(const c10::OperatorName& op);
+// `name` must have static storage (a string literal).
 void recordExecutedOp(const char* name);
 void recordSyncOp(const c10::OperatorName& op);
-void recordSyncOp(const char* name);
+void recordSyncOp(const char* name); // `name`: a string literal
 
 std::unordered_map<std::string, int64_t> executedOps();
 std::unordered_map<std::string, int64_t> syncOps();
