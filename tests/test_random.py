@@ -1,5 +1,6 @@
 """Each kiln device has a default generator seeded like CPU's."""
 
+import pytest
 import torch
 
 
@@ -37,3 +38,105 @@ def test_generator_objects():
     g.manual_seed(3)
     assert g.initial_seed() == 3
     assert torch.Generator(device="kiln:1").device == torch.device("kiln:1")
+
+
+def test_generator_reseed_and_state_round_trip():
+    g = torch.Generator(device="kiln")
+    g.manual_seed(0)
+    a = torch.rand(8, generator=g, device="kiln")
+    g.manual_seed(0)
+    assert torch.equal(torch.rand(8, generator=g, device="kiln").cpu(), a.cpu())
+    state = g.get_state()
+    b = torch.randn(8, generator=g, device="kiln")
+    g.set_state(state)
+    assert torch.equal(torch.randn(8, generator=g, device="kiln").cpu(), b.cpu())
+    p = torch.randperm(10, generator=g, device="kiln")
+    assert sorted(p.tolist()) == list(range(10))
+    r = torch.randint(0, 5, (3,), generator=g, device="kiln")
+    assert r.device.type == "kiln" and all(0 <= v < 5 for v in r.tolist())
+
+
+def test_two_dropouts_after_the_same_seed_are_equal():
+    torch.manual_seed(1)
+    a = torch.nn.functional.dropout(torch.ones(1000, device="kiln"), 0.5)
+    torch.manual_seed(1)
+    b = torch.nn.functional.dropout(torch.ones(1000, device="kiln"), 0.5)
+    assert torch.equal(a.cpu(), b.cpu())
+    assert 350 <= (a == 0).sum().item() <= 650
+
+
+RANDOM_OPS = {
+    "rand": lambda d, g: torch.rand(5, 7, device=d, generator=g),
+    "randn": lambda d, g: torch.randn(5, 7, device=d, generator=g),
+    "randint": lambda d, g: torch.randint(0, 100, (50,), device=d, generator=g),
+    "randperm": lambda d, g: torch.randperm(30, device=d, generator=g),
+    "bernoulli": lambda d, g: torch.bernoulli(torch.full((64,), 0.3, device=d), generator=g),
+    "bernoulli_p": lambda d, g: torch.empty(64, device=d).bernoulli_(0.7, generator=g),
+    "multinomial": lambda d, g: torch.multinomial(torch.tensor([0.1, 0.2, 0.7], device=d), 20,
+                                                  replacement=True, generator=g),
+    "normal_": lambda d, g: torch.empty(40, device=d).normal_(2.0, 3.0, generator=g),
+    "uniform_": lambda d, g: torch.empty(40, device=d).uniform_(-1, 1, generator=g),
+    "exponential_": lambda d, g: torch.empty(40, device=d).exponential_(2.0, generator=g),
+    "random_": lambda d, g: torch.empty(40, device=d, dtype=torch.int64).random_(0, 9, generator=g),
+    "normal_fn": lambda d, g: torch.normal(torch.zeros(9, device=d), torch.ones(9, device=d), generator=g),
+}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_OPS))
+def test_random_ops_reproduce_cpu_sequence_for_the_same_seed(name):
+    results = []
+    for device in ("cpu", "kiln"):
+        g = torch.Generator(device=device)
+        g.manual_seed(1234)
+        results.append(RANDOM_OPS[name](device, g).cpu())
+    assert torch.equal(results[0], results[1])
+
+
+def test_default_generator_random_ops_and_rand_like():
+    torch.manual_seed(5)
+    k = [torch.rand(4, device="kiln"), torch.randn_like(torch.empty(4, device="kiln")),
+         torch.rand_like(torch.empty(3, device="kiln"))]
+    torch.manual_seed(5)
+    c = [torch.rand(4), torch.randn_like(torch.empty(4)), torch.rand_like(torch.empty(3))]
+    for a, b in zip(k, c):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_sequence_follows_launch_order_across_streams():
+    g = torch.Generator(device="kiln")
+    g.manual_seed(7)
+    slow, fast = torch.kiln.Stream(), torch.kiln.Stream()
+    with torch.kiln.stream(slow):
+        torch.kiln._sleep(100)  # the first random op would run last without ordering
+        first = torch.rand(16, device="kiln", generator=g)
+    with torch.kiln.stream(fast):
+        second = torch.rand(16, device="kiln", generator=g)
+    torch.kiln.synchronize()
+    cpu = torch.Generator().manual_seed(7)
+    assert torch.equal(first.cpu(), torch.rand(16, generator=cpu))
+    assert torch.equal(second.cpu(), torch.rand(16, generator=cpu))
+
+
+def test_state_reads_wait_for_launched_random_ops():
+    g = torch.Generator(device="kiln")
+    g.manual_seed(3)
+    torch.kiln._sleep(100)
+    torch.rand(1000, device="kiln", generator=g)
+    state = g.get_state()  # after the queued rand, not before
+    cpu = torch.Generator().manual_seed(3)
+    torch.rand(1000, generator=cpu)
+    assert torch.equal(state, cpu.get_state())
+
+
+def test_fork_rng_restores_kiln_state():
+    torch.manual_seed(11)
+    with torch.random.fork_rng(device_type="kiln"):
+        torch.rand(10, device="kiln")
+    after = torch.rand(10, device="kiln")
+    torch.manual_seed(11)
+    assert torch.equal(after.cpu(), torch.rand(10, device="kiln").cpu())
+
+
+def test_cpu_generator_with_kiln_tensors_is_rejected():
+    with pytest.raises(RuntimeError, match="generator"):
+        torch.rand(3, device="kiln", generator=torch.Generator())

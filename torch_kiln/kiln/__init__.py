@@ -15,6 +15,7 @@ import torch
 
 from torch_kiln import _C
 from torch_kiln.kiln._utils import _device_index
+from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
 from torch_kiln.kiln.memory import (
     empty_cache,
     max_memory_allocated,
@@ -200,6 +201,7 @@ __all__ = [
     "get_device_capability",
     "get_device_name",
     "get_device_properties",
+    "get_amp_supported_dtype",
     "get_executed_ops",
     "get_rng_state",
     "get_rng_state_all",
@@ -207,6 +209,7 @@ __all__ = [
     "init",
     "initial_seed",
     "is_available",
+    "is_bf16_supported",
     "is_initialized",
     "manual_seed",
     "manual_seed_all",

@@ -1,0 +1,220 @@
+"""Totals of a conformance run: the JSON summary and docs/conformance.md.
+
+`Tally` takes every CaseResult as it arrives and keeps counts (by pass, by
+dtype, by op), the failures, the per-op synchronization record of the
+forward passes, and the Ledger that known_failures.judge() reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import subprocess
+from dataclasses import dataclass, field
+
+import torch
+
+import settings
+from known_failures import Ledger, Verdict
+from outcomes import FAILED, PASSED, SKIPPED, STATUSES, XFAILED, CaseResult
+
+# ATen ops whose output shape or returned value depends on tensor values:
+# synchronizing for them is expected (issue 6: a forward case may force a
+# synchronization only when the op's output shape depends on data).
+DATA_DEPENDENT_OPS = {
+    "aten::nonzero", "aten::nonzero_static", "aten::argwhere", "aten::masked_select",
+    "aten::unique_consecutive", "aten::unique_dim", "aten::unique_dim_consecutive",
+    "aten::_unique", "aten::_unique2", "aten::_local_scalar_dense", "aten::item",
+    "aten::equal", "aten::is_nonzero", "aten::allclose", "aten::bincount",
+    "aten::repeat_interleave.Tensor", "aten::repeat_interleave.self_Tensor",
+    "aten::_assert_async", "aten::_assert_async.msg",
+}
+
+
+def is_data_dependent(aten_op: str) -> bool:
+    return aten_op in DATA_DEPENDENT_OPS or aten_op.split(".")[0] in DATA_DEPENDENT_OPS
+
+
+def skip_category(message: str) -> str:
+    """A skip message without its sample-specific details."""
+    if message.startswith("CPU rejects"):
+        return "CPU rejects the sample (and so does kiln)"
+    if message.startswith("sample generation failed"):
+        return "sample generation failed on CPU"
+    return message[:120]
+
+
+@dataclass
+class SyncRecord:
+    """Forward-pass synchronizations of one op."""
+
+    cases: int = 0
+    synced_cases: int = 0
+    aten_ops: collections.Counter = field(default_factory=collections.Counter)
+
+
+@dataclass
+class Tally:
+    """Everything the summary and the report need, built case by case."""
+
+    by_pass: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    by_dtype: dict[tuple[str, str], collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    by_op: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    failures: list[CaseResult] = field(default_factory=list)
+    skip_reasons: collections.Counter = field(default_factory=collections.Counter)
+    sync: dict[str, SyncRecord] = field(default_factory=lambda: collections.defaultdict(SyncRecord))
+    ledger: Ledger = field(default_factory=Ledger)
+    tests: set[tuple[str, str]] = field(default_factory=set)
+
+    def add(self, result: CaseResult) -> None:
+        n = result.count
+        self.by_pass[result.pass_name][result.status] += n
+        self.by_dtype[(result.dtype, result.pass_name)][result.status] += n
+        self.by_op[result.op][result.status] += n
+        self.tests.add((result.op, result.dtype))
+        self.ledger.add(result)
+        if result.status in (FAILED, XFAILED):
+            self.failures.append(result)
+        elif result.status == SKIPPED:
+            self.skip_reasons[(result.pass_name, skip_category(result.message))] += n
+        if result.pass_name in ("forward", "noncontiguous") and result.status in (PASSED, FAILED):
+            record = self.sync[result.op]
+            record.cases += 1
+            if result.sync_ops:
+                record.synced_cases += 1
+                record.aten_ops.update(result.sync_ops)
+
+
+def pass_rate(counts: collections.Counter) -> float | None:
+    """passed / (passed + failed + xfailed); None when nothing ran."""
+    ran = counts[PASSED] + counts[FAILED] + counts[XFAILED]
+    return counts[PASSED] / ran if ran else None
+
+
+def summary(tally: Tally, verdict: Verdict, *, runtime_s: float, quick: bool) -> dict:
+    """The JSON summary: per pass passed/failed/skipped (and xfailed), rates."""
+    total: collections.Counter = collections.Counter()
+    result: dict = {}
+    for name in settings.PASSES:
+        counts = tally.by_pass.get(name, collections.Counter())
+        total.update(counts)
+        result[name] = {status: counts[status] for status in STATUSES}
+        result[name]["pass_rate"] = pass_rate(counts)
+    result["pass_rate"] = pass_rate(total)
+    result["ops"] = len(tally.by_op)
+    result["op_dtype_tests"] = len(tally.tests)
+    result["new_failures"] = len(verdict.new_failures)
+    result["known_failures_fixed"] = len(verdict.stale)
+    result["known_failed_cases"] = verdict.known_failed_cases
+    result["quick"] = quick
+    result["runtime_s"] = round(runtime_s, 1)
+    return result
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}%"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=settings.REPO,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, command: str) -> str:
+    """docs/conformance.md."""
+    lines = [
+        "# Kiln conformance: PyTorch's OpInfo and ModuleInfo databases",
+        "",
+        "Every OpInfo in `op_db` and every ModuleInfo in `module_db` of PyTorch "
+        f"{torch.__version__}, run on kiln and compared with the CPU — bit-exact unless a "
+        "tolerance is declared in `tests/conformance/declared.py`. How the harness works: "
+        "`tests/conformance/op_cases.py` (passes) and `suites.py` (how the databases' own "
+        "skips apply).",
+        "",
+        f"Generated {datetime.date.today().isoformat()} at commit {_git_commit()} by "
+        f"`{command}` in {summary_data['runtime_s'] / 60:.1f} min "
+        f"({'quick' if summary_data['quick'] else 'full'} run).",
+        "",
+        "## Totals",
+        "",
+        f"- ops and modules: {summary_data['ops']} ({summary_data['op_dtype_tests']} "
+        "op×dtype tests)",
+        f"- samples (forward cases): {sum(tally.by_pass['forward'].values())}",
+        f"- pass rate: **{_rate(summary_data['pass_rate'])}** "
+        "(passed / (passed + failed + xfailed); skipped cases excluded)",
+        f"- failures not in `tests/conformance/known_failures.txt`: "
+        f"{summary_data['new_failures']}; listed failures that now pass: "
+        f"{summary_data['known_failures_fixed']}",
+        "",
+        "| pass | cases | passed | failed | xfailed | skipped | pass rate |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in settings.PASSES:
+        c = tally.by_pass.get(name, collections.Counter())
+        lines.append(f"| {name} | {sum(c.values())} | {c[PASSED]} | {c[FAILED]} | "
+                     f"{c[XFAILED]} | {c[SKIPPED]} | {_rate(pass_rate(c))} |")
+    lines += _dtype_table(tally) + _failure_table(tally) + _sync_section(tally)
+    lines += _skip_table(tally)
+    return "\n".join(lines) + "\n"
+
+
+def _dtype_table(tally: Tally) -> list[str]:
+    lines = ["", "## By dtype", "", "passed / failed (+xfailed) / skipped cases.", "",
+             "| dtype | " + " | ".join(settings.PASSES) + " |",
+             "|---|" + "---:|" * len(settings.PASSES)]
+    dtypes = [settings.dtype_name(d) for d in settings.DTYPES]
+    for dtype in dtypes:
+        cells = []
+        for name in settings.PASSES:
+            c = tally.by_dtype.get((dtype, name), collections.Counter())
+            cells.append(f"{c[PASSED]} / {c[FAILED] + c[XFAILED]} / {c[SKIPPED]}" if c else "—")
+        lines.append(f"| {dtype} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _failure_table(tally: Tally) -> list[str]:
+    lines = ["", "## Failing ops", ""]
+    if not tally.failures:
+        return lines + ["None."]
+    groups: dict[tuple[str, str], list[CaseResult]] = collections.defaultdict(list)
+    for f in tally.failures:
+        groups[(f.op, f.pass_name)].append(f)
+    lines += ["| op | pass | dtypes | failed cases | first error |", "|---|---|---|---:|---|"]
+    for (op, pass_name), failures in sorted(groups.items()):
+        dtypes = ", ".join(sorted({f.dtype for f in failures}))
+        first = min(failures, key=lambda f: (f.dtype, f.index)).message.replace("|", "\\|")
+        lines.append(f"| `{op}` | {pass_name} | {dtypes} | {len(failures)} | {first} |")
+    return lines
+
+
+def _sync_section(tally: Tally) -> list[str]:
+    synced = {op: r for op, r in tally.sync.items() if r.synced_cases}
+    asynchronous = sorted(op for op, r in tally.sync.items() if not r.synced_cases and r.cases)
+    lines = ["", "## Synchronization (forward passes)", "",
+             f"{len(asynchronous)} ops ran every forward case asynchronously; "
+             f"{len(synced)} forced a host-device synchronization in at least one case "
+             "(`torch.kiln.get_sync_ops()` while the kiln call ran). A sync is expected only "
+             "where the output shape or value depends on data.", ""]
+    if synced:
+        lines += ["| op | synced cases | ATen ops that synchronized | data-dependent? |",
+                  "|---|---:|---|---|"]
+        for op, r in sorted(synced.items()):
+            names = ", ".join(f"`{a}`×{n}" for a, n in r.aten_ops.most_common())
+            expected = "yes" if all(is_data_dependent(a) for a in r.aten_ops) else "**no**"
+            lines.append(f"| `{op}` | {r.synced_cases} / {r.cases} | {names} | {expected} |")
+    lines += ["", "<details><summary>Ops that ran asynchronously</summary>", "",
+              ", ".join(f"`{op}`" for op in asynchronous), "", "</details>"]
+    return lines
+
+
+def _skip_table(tally: Tally) -> list[str]:
+    lines = ["", "## Skipped cases", "", "| pass | reason | cases |", "|---|---|---:|"]
+    for (pass_name, reason), n in sorted(tally.skip_reasons.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {pass_name} | {reason.replace('|', '/')} | {n} |")
+    return lines
