@@ -12,7 +12,8 @@ Model (after Karpathy's nanoGPT, github.com/karpathy/nanoGPT): token +
 position embeddings, --layers pre-LayerNorm blocks of causal self-attention
 (torch.nn.functional.scaled_dot_product_attention) and a GELU MLP, a final
 LayerNorm, and an output head tied to the token embedding. AdamW, gradient
-clipping at norm 1.0. Data: data/tinyshakespeare.txt (1.1 MB), first 90%
+clipping at norm 1.0; --amp bf16|fp16 trains under torch.autocast (fp16 with
+a GradScaler). Data: data/tinyshakespeare.txt (1.1 MB), first 90%
 for training, the rest for validation; batches of --block-size characters.
 
 With --json PATH it writes {"device", "seed", "steps" (per-step training
@@ -120,9 +121,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-length", type=int, default=200)
+    parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                        help="mixed precision: torch.autocast in this dtype (fp16 adds a GradScaler)")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     with open(DATA, encoding="utf-8") as f:
         text = f.read()
@@ -138,7 +143,8 @@ def main() -> None:
     torch.manual_seed(args.seed)  # sampling randomness restarts from the seed on every device
     order = torch.Generator().manual_seed(args.seed)
     print(f"device {device}, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"{len(chars)} characters, {len(train_data)} training tokens")
+          f"{len(chars)} characters, {len(train_data)} training tokens"
+          + (f", autocast {args.amp}" if args.amp else ""))
 
     losses: list[float] = []
     seconds = 0.0
@@ -147,11 +153,14 @@ def main() -> None:
         start = time.perf_counter()
         for step in range(args.max_steps):
             x, y = batch_of(train_data, args.batch_size, args.block_size, order)
-            loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             losses.append(loss.item())
             if (step + 1) % 100 == 0:
                 print(f"step {len(losses)}: train loss {sum(losses[-100:]) / 100:.4f}")

@@ -14,7 +14,8 @@ any directory given with --data-dir / FASHION_MNIST_DIR.
 
 Model: conv(1->16, 3x3) - ReLU - maxpool 2 - conv(16->32, 3x3) - ReLU -
 maxpool 2 - linear(1568->128) - ReLU - dropout(0.25) - linear(128->10),
-cross-entropy, AdamW (lr 1e-3). Initialisation, data order and dropout are
+cross-entropy, AdamW (lr 1e-3); --amp bf16|fp16 trains under torch.autocast
+(fp16 with a GradScaler). Initialisation, data order and dropout are
 seeded by --seed, so runs on different devices see the same numbers.
 
 With --json PATH it writes {"device", "seed", "steps" (per-step training
@@ -122,9 +123,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                        help="mixed precision: torch.autocast in this dtype (fp16 adds a GradScaler)")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     train_x, train_y, test_x, test_y = load(find_data_dir(args.data_dir))
     torch.manual_seed(args.seed)
@@ -135,7 +140,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     order = torch.Generator().manual_seed(args.seed)
 
-    print(f"device {device}, {len(train_x)} training images, batch {args.batch_size}")
+    print(f"device {device}, {len(train_x)} training images, batch {args.batch_size}"
+          + (f", autocast {args.amp}" if args.amp else ""))
     losses: list[float] = []
     trained = 0
     seconds = 0.0
@@ -150,10 +156,12 @@ def main() -> None:
                 break
             batch = permutation[i:i + args.batch_size]
             x, y = train_x[batch].to(device), train_y[batch].to(device)
-            loss = F.cross_entropy(model(x), y)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             epoch_loss += loss.detach()
             losses.append(loss.item())
             steps += 1

@@ -66,3 +66,16 @@ def test_char_gpt_500_steps_validation_loss_below_2_5(tmp_path, device):
     result, stdout = run_example("train_char_gpt.py", tmp_path, device, "--max-steps", "500")
     assert result["val_loss"] < 2.5, stdout
     assert "sample:" in stdout
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_examples_train_under_autocast(tmp_path, amp):
+    fm, fm_out = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--max-steps", "60",
+                             "--amp", amp)
+    assert f"autocast {amp}" in fm_out
+    assert sum(fm["steps"][-10:]) / 10 < fm["steps"][0]  # the loss went down
+    gpt, gpt_out = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", "30",
+                               "--amp", amp, "--sample-length", "0", "--layers", "1",
+                               "--width", "64")
+    assert f"autocast {amp}" in gpt_out
+    assert sum(gpt["steps"][-5:]) / 5 < gpt["steps"][0]
