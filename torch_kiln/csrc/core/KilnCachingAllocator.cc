@@ -99,8 +99,10 @@ StatTypes statTypesOf(const Block* block) {
   return types;
 }
 
+// Applies `f` to the stat-type indices a block counts under: the aggregate
+// and its pool (small or large).
 template <typename F>
-void forEachStat(const Block* block, F&& f) {
+void forEachPoolOf(const Block* block, F&& f) {
   c10::CachingAllocator::for_each_selected_stat_type(statTypesOf(block), f);
 }
 
@@ -123,7 +125,7 @@ class DeviceCache {
     block->allocated = true;
     block->requested = requested;
     block->stream_uses.clear();
-    forEachStat(block, [&](size_t t) {
+    forEachPoolOf(block, [&](size_t t) {
       stats_.allocation[t].increase(1);
       stats_.allocated_bytes[t].increase(block->size);
       stats_.active[t].increase(1);
@@ -136,7 +138,7 @@ class DeviceCache {
   void free(Block* block) {
     std::lock_guard<std::mutex> lock(mutex_);
     block->allocated = false;
-    forEachStat(block, [&](size_t t) {
+    forEachPoolOf(block, [&](size_t t) {
       stats_.allocation[t].decrease(1);
       stats_.allocated_bytes[t].decrease(block->size);
       stats_.requested_bytes[t].decrease(block->requested);
@@ -186,44 +188,35 @@ class DeviceCache {
 
   void resetPeak() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto t : c10::irange(static_cast<size_t>(StatType::NUM_TYPES))) {
-      stats_.allocation[t].reset_peak();
-      stats_.segment[t].reset_peak();
-      stats_.active[t].reset_peak();
-      stats_.inactive_split[t].reset_peak();
-      stats_.allocated_bytes[t].reset_peak();
-      stats_.reserved_bytes[t].reset_peak();
-      stats_.active_bytes[t].reset_peak();
-      stats_.inactive_split_bytes[t].reset_peak();
-      stats_.requested_bytes[t].reset_peak();
-    }
-    stats_.oversize_allocations.reset_peak();
-    stats_.oversize_segments.reset_peak();
+    forEachCounter([](Stat& stat) { stat.reset_peak(); });
   }
 
   void resetAccumulated() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto t : c10::irange(static_cast<size_t>(StatType::NUM_TYPES))) {
-      stats_.allocation[t].reset_accumulated();
-      stats_.segment[t].reset_accumulated();
-      stats_.active[t].reset_accumulated();
-      stats_.inactive_split[t].reset_accumulated();
-      stats_.allocated_bytes[t].reset_accumulated();
-      stats_.reserved_bytes[t].reset_accumulated();
-      stats_.active_bytes[t].reset_accumulated();
-      stats_.inactive_split_bytes[t].reset_accumulated();
-      stats_.requested_bytes[t].reset_accumulated();
-    }
+    forEachCounter([](Stat& stat) { stat.reset_accumulated(); });
     stats_.num_alloc_retries = 0;
     stats_.num_ooms = 0;
     stats_.num_sync_all_streams = 0;
     stats_.num_device_alloc = 0;
     stats_.num_device_free = 0;
-    stats_.oversize_allocations.reset_accumulated();
-    stats_.oversize_segments.reset_accumulated();
   }
 
  private:
+  // Applies `f` to every Stat of stats_ (each pool type of each StatArray).
+  template <typename F>
+  void forEachCounter(F&& f) {
+    for (auto* array : {&stats_.allocation, &stats_.segment, &stats_.active,
+                        &stats_.inactive_split, &stats_.allocated_bytes, &stats_.reserved_bytes,
+                        &stats_.active_bytes, &stats_.inactive_split_bytes,
+                        &stats_.requested_bytes}) {
+      for (Stat& stat : *array) {
+        f(stat);
+      }
+    }
+    f(stats_.oversize_allocations);
+    f(stats_.oversize_segments);
+  }
+
   // Best fit among the stream's free blocks, within the reuse limit.
   Block* takeCached(FreeList& pool, StreamId stream_id, size_t size, bool is_small) {
     Block key;
@@ -272,7 +265,7 @@ class DeviceCache {
     block->ptr = ptr;
     block->is_small = is_small;
     stats_.num_device_alloc++;
-    forEachStat(block, [&](size_t t) {
+    forEachPoolOf(block, [&](size_t t) {
       stats_.segment[t].increase(1);
       stats_.reserved_bytes[t].increase(size);
     });
@@ -321,7 +314,7 @@ class DeviceCache {
 
   // A block no longer allocated and not waited on joins its free list.
   void deactivate(Block* block) {
-    forEachStat(block, [&](size_t t) {
+    forEachPoolOf(block, [&](size_t t) {
       stats_.active[t].decrease(1);
       stats_.active_bytes[t].decrease(block->size);
     });
@@ -348,7 +341,7 @@ class DeviceCache {
     for (Block* block : pool) {
       KILN_CHECK(kilnFree(block->ptr)); // waits for the device (see runtime.h)
       stats_.num_device_free++;
-      forEachStat(block, [&](size_t t) {
+      forEachPoolOf(block, [&](size_t t) {
         stats_.segment[t].decrease(1);
         stats_.reserved_bytes[t].decrease(block->size);
       });
