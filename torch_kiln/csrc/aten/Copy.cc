@@ -10,9 +10,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "aten/KilnTask.h"
+#include "aten/KernelLaunch.h"
+#include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
-#include "aten/TensorAliases.h"
 #include "core/KilnEvent.h"
 #include "core/KilnException.h"
 #include "core/KilnStream.h"
@@ -94,11 +94,16 @@ void protectPinned(const at::Tensor& host, const KilnStream& stream) {
       ->record_event(data_ptr.get(), data_ptr.get_context(), stream.unwrap());
 }
 
-// dst = src on the device, by ATen's CPU copy_ run as a task on `stream`.
+// dst = src on the device, by ATen's CPU copy_ run as a kernel on `stream`.
 void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnStream& stream) {
-  TensorAliaser aliaser(c10::kCPU);
-  launchTask(stream, "aten::copy_",
-             [d = aliaser.alias(dst), s = aliaser.alias(src)]() mutable { d.copy_(s); });
+  static const auto copy_op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+  static const OpSchemaInfo& copy_info = opSchemaInfo(copy_op);
+  KernelLaunch* launch = KernelLaunch::acquire();
+  launch->setOperator(copy_op, std::nullopt, copy_info);
+  launch->addArgument(c10::IValue(dst), ArgKind::Tensor);
+  launch->addArgument(c10::IValue(src), ArgKind::Tensor);
+  launch->addArgument(c10::IValue(false), ArgKind::Other);
+  launch->launch(stream);
 }
 
 at::Tensor emptyLike(const at::Tensor& layout_source, c10::ScalarType dtype, c10::Device device,
