@@ -99,6 +99,7 @@ def test_launch_blocking_runs_work_at_the_call():
         "import torch, time\n"
         "t = time.perf_counter(); torch.kiln._sleep(300); elapsed = time.perf_counter() - t\n"
         "x = torch.arange(4.0, device='kiln')\n"
+        "torch.index_select(x, 0, torch.tensor([1], device='kiln'))  # first call: a layout check\n"
         "try:\n"
         "    torch.index_select(x, 0, torch.tensor([0, 9], device='kiln'))\n"
         "    print('not raised')\n"

@@ -99,7 +99,7 @@ void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnSt
   static const auto copy_op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
   static const OpSchemaInfo& copy_info = opSchemaInfo(copy_op);
   KernelLaunch* launch = KernelLaunch::acquire();
-  launch->setOperator(copy_op, std::nullopt, copy_info);
+  launch->setOperator(copy_op, copy_info);
   launch->addArgument(c10::IValue(dst), ArgKind::Tensor);
   launch->addArgument(c10::IValue(src), ArgKind::Tensor);
   launch->addArgument(c10::IValue(false), ArgKind::Other);

@@ -72,7 +72,6 @@ void KernelLaunch::clear() {
     return;
   }
   op_.reset();
-  out_op_.reset();
   info_ = nullptr;
   arguments_.clear();
   for (size_t i = 0; i < used_descriptors_; ++i) {
@@ -91,12 +90,9 @@ TensorDescriptor& KernelLaunch::nextDescriptor() {
   return descriptors_[used_descriptors_++];
 }
 
-void KernelLaunch::setOperator(const c10::OperatorHandle& op,
-                               const std::optional<c10::OperatorHandle>& out_op,
-                               const OpSchemaInfo& info) {
+void KernelLaunch::setOperator(const c10::OperatorHandle& op, const OpSchemaInfo& info) {
   cleared_ = false;
   op_ = op;
-  out_op_ = out_op;
   info_ = &info;
 }
 
@@ -136,20 +132,52 @@ void KernelLaunch::addOutput(const at::Tensor& output) {
   }
   nextDescriptor().assign(output);
   output_count_++;
-  if (!output.defined()) {
-    out_op_.reset(); // out= overloads need every output
+}
+
+namespace {
+
+// Whether the host tensor `t` has the layout the kiln tensor described by
+// `d` has (dtype, sizes, strides of non-trivial dimensions, conj/neg bits).
+bool matchesDescriptor(const at::Tensor& t, const TensorDescriptor& d) {
+  if (t.scalar_type() != d.dtype || !t.sizes().equals(d.sizes) || t.is_conj() != d.is_conj ||
+      t.is_neg() != d.is_neg) {
+    return false;
+  }
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (t.size(i) > 1 && t.stride(i) != d.strides[static_cast<size_t>(i)]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The meta kernel's layout was not the CPU kernel's: from now on this op
+// takes its layouts from CPU runs (Note [Meta layouts and CPU layouts]).
+void learnLayoutsFromCpu(const OpSchemaInfo& info) {
+  auto& mutable_info = const_cast<OpSchemaInfo&>(info);
+  if (!mutable_info.layouts_from_cpu.exchange(true)) {
+    mutable_info.layout_generation.fetch_add(1);
   }
 }
+
+} // namespace
 
 void KernelLaunch::run() {
   TensorAliaser aliaser(c10::kCPU);
   auto alias = [&](uint32_t index) { return aliaser.alias(descriptors_[index]); };
   torch::jit::Stack stack;
-  stack.reserve(arguments_.size() + output_count_);
-  for (const Argument& argument : arguments_) {
+  stack.reserve(arguments_.size());
+  // Host aliases of out= arguments, to check after the kernel what it did
+  // with them (see below).
+  c10::SmallVector<std::pair<uint32_t, at::Tensor>, 2> out_arguments;
+  for (size_t a = 0; a < arguments_.size(); ++a) {
+    const Argument& argument = arguments_[a];
     switch (argument.kind) {
       case ArgKind::Tensor:
         stack.emplace_back(argument.count == 1 ? alias(argument.first) : at::Tensor());
+        if (argument.count == 1 && info_->arg_is_out[a]) {
+          out_arguments.emplace_back(argument.first, stack.back().toTensor());
+        }
         break;
       case ArgKind::OptionalTensor:
         if (argument.count == 1 && descriptors_[argument.first].defined) {
@@ -182,22 +210,43 @@ void KernelLaunch::run() {
         stack.push_back(argument.value);
     }
   }
-  const c10::DispatchKeySet cpu(c10::DispatchKey::CPU);
-  if (out_op_.has_value()) {
-    for (uint32_t i = 0; i < output_count_; ++i) {
-      stack.emplace_back(alias(first_output_ + i));
+  op_->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+
+  // An out= kernel may have rebound its output (returned another tensor) or
+  // re-strided it in place: then the kiln tensor's memory does not hold the
+  // result in the kiln tensor's layout. Copy the result into place.
+  for (size_t k = 0; k < out_arguments.size(); ++k) {
+    const auto& [index, out_alias] = out_arguments[k];
+    const at::Tensor returned =
+        k < stack.size() && stack[k].isTensor() ? stack[k].toTensor() : out_alias;
+    const TensorDescriptor& d = descriptors_[index];
+    const bool intact = returned.unsafeGetTensorImpl() == out_alias.unsafeGetTensorImpl() &&
+        out_alias.storage_offset() == d.storage_offset &&
+        out_alias.strides().equals(d.strides) && matchesDescriptor(out_alias, d);
+    if (!intact) {
+      const at::Tensor result = returned.is_alias_of(out_alias) ? returned.clone() : returned;
+      alias(index).copy_(result);
     }
-    out_op_->redispatchBoxed(cpu, &stack);
-    return;
   }
-  op_->redispatchBoxed(cpu, &stack);
+
   // Copy fresh results into the preallocated outputs, in return order.
   uint32_t next = 0;
   auto copyInto = [&](const c10::IValue& result) {
     const uint32_t index = first_output_ + next++;
-    if (descriptors_[index].defined && result.isTensor()) {
-      alias(index).copy_(result.toTensor());
+    const TensorDescriptor& d = descriptors_[index];
+    if (!result.isTensor() || !result.toTensor().defined()) {
+      TORCH_CHECK(!d.defined, "the kernel returned no tensor where its meta kernel declared one");
+      return;
     }
+    const at::Tensor& value = result.toTensor();
+    TORCH_CHECK(d.defined, "the kernel returned a tensor where its meta kernel declared none");
+    if (!matchesDescriptor(value, d)) {
+      learnLayoutsFromCpu(*info_);
+      TORCH_CHECK(value.sizes().equals(d.sizes), "result of shape ", value.sizes(),
+                  " where the meta kernel declared ", c10::IntArrayRef(d.sizes),
+                  " (this op's next calls take their layouts from the CPU kernel)");
+    }
+    alias(index).copy_(value);
   };
   for (size_t r = 0; r < info_->returns.size(); ++r) {
     if (info_->returns[r].kind != ReturnKind::Fresh) {

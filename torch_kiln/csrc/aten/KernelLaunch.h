@@ -59,11 +59,10 @@ class KernelLaunch {
   // A cleared record from the pool (or a new one).
   static KernelLaunch* acquire();
 
-  // `op` runs with the recorded arguments; with `out_op`, the out= overload
-  // runs instead with the recorded outputs appended as its out arguments,
-  // otherwise op's fresh results are copied into the recorded outputs.
-  void setOperator(const c10::OperatorHandle& op, const std::optional<c10::OperatorHandle>& out_op,
-                   const OpSchemaInfo& info);
+  // `op` runs with the recorded arguments; its fresh results are copied into
+  // the recorded outputs, and out= arguments it rebound or re-strided are
+  // repaired (Note [Meta layouts and CPU layouts] in KilnOpExecutor.cc).
+  void setOperator(const c10::OperatorHandle& op, const OpSchemaInfo& info);
   // Records argument `value` of kind `kind` (tensors as descriptors; other
   // values as given: the caller substitutes generators and devices).
   void addArgument(const c10::IValue& value, ArgKind kind);
@@ -90,7 +89,6 @@ class KernelLaunch {
   static void releaseTask(void* self);
 
   std::optional<c10::OperatorHandle> op_;
-  std::optional<c10::OperatorHandle> out_op_;
   const OpSchemaInfo* info_ = nullptr;
   std::vector<Argument> arguments_;
   std::vector<TensorDescriptor> descriptors_; // arguments' tensors, then outputs

@@ -46,9 +46,9 @@ namespace at::kiln {
 //     meta kernel resized are resized; views are built over the argument's
 //     storage. No device work has happened yet and the call can return.
 //  3. Work, on the stream. A task on the current stream runs the CPU kernel
-//     over host aliases of the arguments and outputs: the out= overload when
-//     the op has one (writing straight into the outputs), else the op itself
-//     followed by a copy into the outputs. Pure view ops launch nothing.
+//     over host aliases of the arguments and copies fresh results into the
+//     outputs (Note [Meta layouts and CPU layouts]). Pure view ops launch
+//     nothing.
 //  4. Data-dependent ops (output sizes or returned values that depend on
 //     tensor values: nonzero, masked_select, unique, item, equal, ...), ops
 //     without a meta kernel, and reductions given an empty tensor (whose
@@ -57,6 +57,45 @@ namespace at::kiln {
 //     They are counted in torch.kiln.get_sync_ops() because each one stalls
 //     the device the way it would on a GPU.
 // Random ops run with the kiln generator's engine (Note [Kiln random numbers]).
+
+// Note [Meta layouts and CPU layouts]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Kiln must return tensors before its kernels have run, so it allocates
+// outputs in the layout (dtype, sizes, strides, conj/neg bits) that the op's
+// meta kernel declares. PyTorch's meta kernels describe *CUDA's* outputs, and
+// for a few CPU kernels they are wrong: statistics of half-precision norms
+// are float on CUDA but half on CPU, padding and convolution keep
+// channels-last strides on CPU, linalg solves return conjugate views, unused
+// batch-norm statistics are empty on CPU. Kiln guards three ways:
+//   * The kernel writes its results into temporaries (the op's functional
+//     CPU kernel), which are then copied into the kiln outputs whatever their
+//     layout, never straight into them through a hand-written out= kernel
+//     (those may reallocate, rebind or re-stride their outputs).
+//   * An out= argument the kernel rebound or re-strided anyway is repaired by
+//     a copy (KernelLaunch::run).
+//   * Ops known to disagree, and any op whose CPU result is found to differ
+//     from its meta layout, take their layouts from the CPU kernel instead:
+//     the first call with each argument signature runs synchronously, and its
+//     outputs' layouts are cached for the asynchronous calls that follow
+//     (OpSchemaInfo::layouts_from_cpu). A learned disagreement costs one call
+//     whose outputs have the meta layout (values copied into it).
+// Note [Verifying meta kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Which meta kernels disagree with CPU is not known in advance for every op
+// and input kind, so Kiln checks: the first call of an op with fresh outputs
+// in each *layout class* (dtypes, ranks, memory formats and flags of its
+// arguments; not sizes, see LayoutCache::layoutClassOf) runs synchronously
+// and compares the CPU kernel's result layouts with the meta kernel's. If
+// they agree, later calls of that class trust the meta kernel and run
+// asynchronously; if not, each new argument signature of that class takes
+// its layouts from one synchronous CPU run. Training and inference loops meet
+// a handful of layout classes, so this costs a few synchronizations at the
+// start; they show in torch.kiln.get_sync_ops().
+//
+// Structured ops (add, mm, ...) never reach the executor as functional ops:
+// PyTorch's generated wrapper runs their C++ meta function, allocates through
+// kiln, and calls the out= kernel, whose generated code honours any output
+// layout.
 
 namespace {
 
@@ -376,9 +415,26 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
 
 // ---------------------------------------------------------------- sync path
 
+// What a synchronous run learned about layouts.
+struct LayoutProbe {
+  // Record the kiln outputs' layouts in the layout cache under this
+  // signature (if not null).
+  const LayoutCache::Signature* signature = nullptr;
+  // Filled: the layouts of the CPU kernel's own fresh results, per return.
+  std::vector<std::vector<TensorLayout>> cpu_results;
+};
+
+// Runs the CPU kernel now and waits (Note [How an eager op runs on kiln],
+// step 4). With `probe`, also records what the run shows about layouts
+// (Note [Meta layouts and CPU layouts]).
 void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
-                      Stack* stack, size_t first, c10::Device device) {
-  recordSyncOp(info.schema->operator_name());
+                      Stack* stack, size_t first, c10::Device device,
+                      LayoutProbe* probe = nullptr) {
+  if (probe != nullptr) {
+    recordLayoutCheck(info.schema->operator_name());
+  } else {
+    recordSyncOp(info.schema->operator_name());
+  }
   const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
   const size_t num_args = info.arg_kinds.size();
 
@@ -474,6 +530,41 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
       results.emplace_back(toKiln(host.toTensor(), ret));
     }
   }
+  if (probe != nullptr) {
+    probe->cpu_results.assign(num_returns, {});
+    for (size_t r = 0; r < num_returns; ++r) {
+      if (info.returns[r].kind == ReturnKind::Fresh) {
+        forEachTensorIn(outcome->results[r],
+                        info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+                        [&](const at::Tensor& t) { probe->cpu_results[r].push_back(TensorLayout::of(t)); });
+        if (!info.returns[r].is_list && probe->cpu_results[r].empty()) {
+          probe->cpu_results[r].emplace_back();
+        }
+      }
+    }
+  }
+  if (probe != nullptr && probe->signature != nullptr) {
+    MetaOutcome learned;
+    learned.returns.resize(num_returns);
+    for (size_t r = 0; r < num_returns; ++r) {
+      if (info.returns[r].kind == ReturnKind::Fresh || info.returns[r].kind == ReturnKind::View) {
+        forEachTensorIn(results[r], info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+                        [&](const at::Tensor& t) { learned.returns[r].push_back(TensorLayout::of(t)); });
+        if (!info.returns[r].is_list && learned.returns[r].empty()) {
+          learned.returns[r].emplace_back(); // an undefined tensor
+        }
+      }
+    }
+    learned.mutable_args.resize(num_args);
+    for (size_t i = 0; i < num_args; ++i) {
+      if (info.arg_is_mutable[i]) {
+        forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+          learned.mutable_args[i].push_back(TensorLayout::of(t));
+        });
+      }
+    }
+    LayoutCache::insert(*probe->signature, std::move(learned));
+  }
   torch::jit::drop(*stack, num_args);
   for (auto& value : results) {
     stack->push_back(std::move(value));
@@ -511,14 +602,46 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   const MetaOutcome* cached = signature ? LayoutCache::find(*signature) : nullptr;
   MetaOutcome computed;
   if (cached == nullptr) {
-    std::optional<MetaOutcome> outcome = runMetaKernel(op, info, *stack, first);
-    if (!outcome.has_value()) {
+    // Note [Verifying meta kernels]: is the meta kernel's layout CPU's?
+    auto trust = LayoutCache::MetaTrust::Trusted;
+    std::optional<LayoutCache::Signature> layout_class;
+    if (info.layouts_from_cpu.load(std::memory_order_relaxed)) {
+      trust = LayoutCache::MetaTrust::Untrusted;
+    } else if (info.has_fresh_returns) {
+      layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      trust = layout_class ? LayoutCache::trust(*layout_class) : LayoutCache::MetaTrust::Untrusted;
+    }
+    LayoutProbe probe;
+    probe.signature = signature ? &*signature : nullptr;
+    if (trust == LayoutCache::MetaTrust::Untrusted) {
+      runSynchronously(op, info, stack, first, device, &probe);
+      return;
+    }
+    std::optional<MetaOutcome> meta = runMetaKernel(op, info, *stack, first);
+    if (!meta.has_value()) {
       // The meta kernel could not decide (or the inputs are invalid): run the
       // CPU kernel synchronously, which raises the CPU's own error if invalid.
       runSynchronously(op, info, stack, first, device);
       return;
     }
-    computed = std::move(*outcome);
+    if (trust == LayoutCache::MetaTrust::Unknown) {
+      runSynchronously(op, info, stack, first, device, &probe);
+      bool agree = true;
+      for (size_t r = 0; r < info.returns.size() && agree; ++r) {
+        if (info.returns[r].kind != ReturnKind::Fresh) {
+          continue;
+        }
+        const auto& expected = meta->returns[r];
+        const auto& actual = probe.cpu_results[r];
+        agree = expected.size() == actual.size();
+        for (size_t k = 0; k < expected.size() && agree; ++k) {
+          agree = expected[k].sameAs(actual[k]);
+        }
+      }
+      LayoutCache::setTrust(*layout_class, agree);
+      return;
+    }
+    computed = std::move(*meta);
   }
   const MetaOutcome& outcome = cached != nullptr ? *cached : computed;
 
@@ -584,7 +707,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   if (info.has_mutable_args || info.has_fresh_returns) {
     const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
     KernelLaunch* launch = KernelLaunch::acquire();
-    launch->setOperator(op, info.out_overload, info);
+    launch->setOperator(op, info);
     for (size_t i = 0; i < num_args; ++i) {
       const ArgKind kind = info.arg_kinds[i];
       launch->addArgument(hostValueOf(info, (*stack)[first + i], kind, stream), kind);

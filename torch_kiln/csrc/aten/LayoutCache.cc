@@ -170,11 +170,31 @@ TensorLayout TensorLayout::of(const at::Tensor& t) {
   return layout;
 }
 
+bool TensorLayout::sameAs(const TensorLayout& other) const {
+  if (defined != other.defined) {
+    return false;
+  }
+  if (!defined) {
+    return true;
+  }
+  if (dtype != other.dtype || sizes != other.sizes || is_conj != other.is_conj ||
+      is_neg != other.is_neg) {
+    return false;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] > 1 && strides[i] != other.strides[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInfo& info,
                                                              const torch::jit::Stack& stack,
                                                              size_t first) {
   Signature sig;
   sig.push_back(reinterpret_cast<int64_t>(info.schema));
+  sig.push_back(info.layout_generation.load(std::memory_order_relaxed));
   c10::SmallVector<const c10::StorageImpl*, 8> storages;
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_kinds[i] == ArgKind::Generator) {
@@ -200,6 +220,88 @@ void LayoutCache::insert(const Signature& signature, MetaOutcome outcome) {
     entries.clear();
   }
   entries.emplace(std::vector<int64_t>(signature.begin(), signature.end()), std::move(outcome));
+}
+
+namespace {
+
+int64_t memoryFormatClass(const at::Tensor& t) {
+  if (t.is_contiguous()) {
+    return 0;
+  }
+  if (t.is_contiguous(c10::MemoryFormat::ChannelsLast) ||
+      t.is_contiguous(c10::MemoryFormat::ChannelsLast3d)) {
+    return 1;
+  }
+  return t.is_non_overlapping_and_dense() ? 2 : 3;
+}
+
+void appendClass(LayoutCache::Signature& sig, const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    sig.push_back(kTensor);
+    if (t.defined()) {
+      sig.push_back(static_cast<int64_t>(t.scalar_type()));
+      sig.push_back(t.dim() * 16 + memoryFormatClass(t) * 4 + (t.is_conj() ? 2 : 0) +
+                    (t.is_neg() ? 1 : 0));
+      sig.push_back(t.numel() == 0 ? 1 : 0);
+    }
+  } else if (value.isList()) {
+    sig.push_back(kList);
+    for (const c10::IValue& element : value.toListRef()) {
+      appendClass(sig, element);
+    }
+  } else if (value.isBool()) {
+    sig.push_back(kBool);
+    sig.push_back(value.toBool() ? 1 : 0);
+  } else if (value.isString()) {
+    sig.push_back(kString);
+    sig.push_back(static_cast<int64_t>(std::hash<std::string>{}(value.toStringRef())));
+  } else if (value.isNone()) {
+    sig.push_back(kNone);
+  } else if (value.isInt() && value.toInt() < 64 && value.toInt() > -64) {
+    sig.push_back(kInt); // small ints are often modes or enum values (reduction, ...)
+    sig.push_back(value.toInt());
+  } else {
+    sig.push_back(kDouble); // other numbers: their kind only
+  }
+}
+
+using TrustTable = std::unordered_map<std::vector<int64_t>, LayoutCache::MetaTrust,
+                                      SignatureHash, SignatureEqual>;
+
+TrustTable& trustTable() {
+  thread_local TrustTable entries;
+  return entries;
+}
+
+} // namespace
+
+std::optional<LayoutCache::Signature> LayoutCache::layoutClassOf(const OpSchemaInfo& info,
+                                                                const torch::jit::Stack& stack,
+                                                                size_t first) {
+  Signature sig;
+  sig.push_back(reinterpret_cast<int64_t>(info.schema));
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_kinds[i] != ArgKind::Generator) {
+      appendClass(sig, stack[first + i]);
+    }
+  }
+  return sig;
+}
+
+LayoutCache::MetaTrust LayoutCache::trust(const Signature& layout_class) {
+  auto& entries = trustTable();
+  const auto it = entries.find(c10::ArrayRef<int64_t>(layout_class));
+  return it == entries.end() ? MetaTrust::Unknown : it->second;
+}
+
+void LayoutCache::setTrust(const Signature& layout_class, bool trusted) {
+  auto& entries = trustTable();
+  if (entries.size() >= kMaxEntries) {
+    entries.clear();
+  }
+  entries[std::vector<int64_t>(layout_class.begin(), layout_class.end())] =
+      trusted ? MetaTrust::Trusted : MetaTrust::Untrusted;
 }
 
 } // namespace at::kiln

@@ -49,6 +49,8 @@ struct TensorLayout {
   bool is_neg = false;
 
   static TensorLayout of(const at::Tensor& t);
+  // Same dtype, sizes, bits, and strides of dimensions longer than 1.
+  bool sameAs(const TensorLayout& other) const;
 };
 
 // What the meta kernel decided for one call.
@@ -75,6 +77,16 @@ class LayoutCache {
   // until the next insert() on this thread.
   static const MetaOutcome* find(const Signature& signature);
   static void insert(const Signature& signature, MetaOutcome outcome);
+
+  // Note [Verifying meta kernels]: whether the op's meta kernel gives CPU's
+  // layouts, per *layout class*: the operator, and per argument the dtype,
+  // rank, memory-format class and bits of tensors and the value of bools,
+  // strings and dtypes (not sizes or other numbers).
+  enum class MetaTrust : uint8_t { Unknown, Trusted, Untrusted };
+  static std::optional<Signature> layoutClassOf(const OpSchemaInfo& info,
+                                                const torch::jit::Stack& stack, size_t first);
+  static MetaTrust trust(const Signature& layout_class);
+  static void setTrust(const Signature& layout_class, bool trusted);
 };
 
 } // namespace at::kiln

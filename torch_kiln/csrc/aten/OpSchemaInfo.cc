@@ -120,56 +120,28 @@ bool acceptsHostIndices(const std::string& name) {
   return names.count(name) != 0;
 }
 
-// All registered overload names, by operator name; built once.
-const std::unordered_map<std::string, std::vector<c10::OperatorName>>& overloadsByName() {
-  static const auto* index = [] {
-    auto* map = new std::unordered_map<std::string, std::vector<c10::OperatorName>>();
-    for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
-      (*map)[name.name].push_back(name);
-    }
-    return map;
-  }();
-  return *index;
-}
-
-// The out= overload of `schema`: the same leading arguments (names and types),
-// then exactly one keyword-only mutable tensor per return.
-std::optional<c10::OperatorHandle> findOutOverload(const c10::FunctionSchema& schema) {
-  const auto& overloads = overloadsByName();
-  const auto it = overloads.find(schema.name());
-  if (it == overloads.end()) {
-    return std::nullopt;
-  }
-  const auto& args = schema.arguments();
-  const size_t num_returns = schema.returns().size();
-  for (const auto& name : it->second) {
-    if (name.overload_name == schema.overload_name()) {
-      continue;
-    }
-    auto handle = c10::Dispatcher::singleton().findSchema(name);
-    if (!handle.has_value() || !handle->hasSchema()) {
-      continue;
-    }
-    const auto& candidate = handle->schema();
-    const auto& cargs = candidate.arguments();
-    if (cargs.size() != args.size() + num_returns) {
-      continue;
-    }
-    bool match = true;
-    for (size_t i = 0; i < args.size() && match; ++i) {
-      match = cargs[i].name() == args[i].name() &&
-          cargs[i].type()->str() == args[i].type()->str();
-    }
-    for (size_t i = args.size(); i < cargs.size() && match; ++i) {
-      const auto* alias = cargs[i].alias_info();
-      match = cargs[i].kwarg_only() && alias != nullptr && alias->isWrite() &&
-          isTensorType(cargs[i].type());
-    }
-    if (match) {
-      return handle;
-    }
-  }
-  return std::nullopt;
+// Ops whose meta kernels are known to disagree with their CPU kernels about
+// output layouts: dtypes of statistics for half inputs (norms), strides of
+// channels-last or transposed results (padding, unpooling, convolution,
+// log_sigmoid's buffer), conjugate bits (linalg solves), shapes of unused
+// statistics (batch norm in eval mode). See Note [Meta layouts and CPU layouts].
+bool layoutsFromCpuList(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::native_layer_norm",        "aten::native_batch_norm",
+      "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit_no_training",
+      "aten::native_group_norm",        "aten::log_sigmoid_forward",
+      "aten::reflection_pad1d",         "aten::reflection_pad2d",
+      "aten::reflection_pad3d",         "aten::replication_pad1d",
+      "aten::replication_pad2d",        "aten::replication_pad3d",
+      "aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward",
+      "aten::reflection_pad3d_backward", "aten::replication_pad1d_backward",
+      "aten::replication_pad2d_backward", "aten::replication_pad3d_backward",
+      "aten::max_unpool2d",             "aten::max_unpool3d",
+      "aten::convolution",              "aten::convolution_backward",
+      "aten::linalg_solve_ex",          "aten::_linalg_solve_ex",
+      "aten::linalg_lu_solve",
+  };
+  return names.count(name) != 0;
 }
 
 std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
@@ -215,23 +187,15 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
   info->accepts_host_indices = acceptsHostIndices(schema.name());
   info->checks_empty_inputs = checksEmptyInputs(schema.name());
   info->scalar_values_irrelevant = scalarValuesIrrelevant(schema.name());
-  if (info->has_fresh_returns) {
-    bool all_fresh_tensors = true;
-    for (const auto& r : info->returns) {
-      all_fresh_tensors &= r.kind == ReturnKind::Fresh && !r.is_list;
-    }
-    if (all_fresh_tensors && !info->has_mutable_args) {
-      info->out_overload = findOutOverload(schema);
-      if (info->out_overload.has_value() &&
-          !info->out_overload->hasComputedKernelForDispatchKey(c10::DispatchKey::CPU)) {
-        info->out_overload.reset();
-      }
-    }
-  }
+  info->layouts_from_cpu = layoutsFromCpuList(schema.name());
   return info;
 }
 
 } // namespace
+
+bool metaLayoutsKnownWrong(const std::string& name) {
+  return layoutsFromCpuList(name);
+}
 
 const OpSchemaInfo& opSchemaInfo(const c10::OperatorHandle& op) {
   static std::shared_mutex mutex;

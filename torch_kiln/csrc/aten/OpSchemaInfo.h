@@ -5,16 +5,17 @@
 // generator, a device, or something else; is it mutable (`Tensor(a!)`), and
 // is it an out= argument (mutable and keyword-only). For each return: is it a
 // fresh tensor, the mutated argument itself, a view of an argument
-// (`Tensor(a)`), or not a tensor. For ops with fresh outputs, the matching
-// out= overload (e.g. aten::mm -> aten::mm.out) if there is one, so kernels
-// can write straight into preallocated kiln outputs.
+// (`Tensor(a)`), or not a tensor. And whether the op's output layouts are
+// taken from its meta kernel or from a first run of its CPU kernel (Note
+// [Meta layouts and CPU layouts] in KilnOpExecutor.cc).
 //
 // Thread-safety: opSchemaInfo() is thread-safe; the returned reference lives
-// for the life of the process.
+// for the life of the process. The atomic fields may change at any time.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
-#include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -72,11 +73,19 @@ struct OpSchemaInfo {
   bool has_cpu_kernel = false;
   // Index arguments may be CPU tensors (moved to the device), as on CUDA.
   bool accepts_host_indices = false;
-  // The out= overload for ops with fresh outputs, taking the same arguments
-  // followed by one out tensor per return.
-  std::optional<c10::OperatorHandle> out_overload;
+  // Output layouts come from a synchronous first run of the CPU kernel per
+  // argument signature, because the meta kernel disagrees with CPU's (set
+  // for known ops, and learned when a kernel's result differs from its meta
+  // layout). `layout_generation` changes when this is learned, retiring
+  // layouts cached from the meta kernel.
+  std::atomic<bool> layouts_from_cpu{false};
+  std::atomic<int64_t> layout_generation{0};
 };
 
 const OpSchemaInfo& opSchemaInfo(const c10::OperatorHandle& op);
+
+// Whether the op (by name, e.g. "aten::replication_pad2d") is known to have
+// a meta kernel whose output layouts differ from its CPU kernel's.
+bool metaLayoutsKnownWrong(const std::string& name);
 
 } // namespace at::kiln

@@ -65,6 +65,11 @@ void recordSyncOp(const char* name) {
   bump(counters().sync, name, [&] { return std::string(name); });
 }
 
+void recordLayoutCheck(const c10::OperatorName& op) {
+  // Keyed by another member's address, so it counts apart from recordSyncOp.
+  bump(counters().sync, &op.overload_name, [&] { return nameOf(op) + " (layout check)"; });
+}
+
 std::unordered_map<std::string, int64_t> executedOps() {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);

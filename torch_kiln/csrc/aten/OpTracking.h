@@ -5,7 +5,8 @@
 // An op is counted under its full ATen name ("aten::add.out") each time a kiln
 // kernel runs it; a "sync op" is one whose result on the host depended on
 // device data (item(), nonzero, masked_select, blocking copies to the host, …)
-// and so had to wait for the device. Thread-safe.
+// and so had to wait for the device. One-time checks of an op's meta kernel
+// also wait; they are listed separately as "<op> (layout check)". Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,9 @@ void recordExecutedOp(const c10::OperatorName& op);
 void recordExecutedOp(const char* name);
 void recordSyncOp(const c10::OperatorName& op);
 void recordSyncOp(const char* name); // `name`: a string literal
+// A synchronization made once per layout class to check the op's meta
+// kernel (Note [Verifying meta kernels]); listed as "<op> (layout check)".
+void recordLayoutCheck(const c10::OperatorName& op);
 
 std::unordered_map<std::string, int64_t> executedOps();
 std::unordered_map<std::string, int64_t> syncOps();

@@ -11,6 +11,10 @@
 // device) for PrivateUse1 on every such operator. Autograd is unaffected:
 // these operators' derivatives are registered separately.
 //
+// Likewise for structured operators whose generated generic wrapper allocates
+// outputs in a layout that differs from CPU's (Note [Meta layouts and CPU
+// layouts]): the executor then runs them and takes CPU's layouts.
+//
 // Operators whose generic kernel is CompositeImplicitAutograd (silu_backward,
 // mish_backward, native_channel_shuffle) are left alone: overriding them
 // would also remove their autograd formula. They may differ from CPU in the
@@ -21,6 +25,7 @@
 #include <torch/library.h>
 
 #include "aten/KilnOpExecutor.h"
+#include "aten/OpSchemaInfo.h"
 
 namespace at::kiln {
 namespace {
@@ -36,9 +41,18 @@ std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
     if (!op.has_value() || !op->hasSchema()) {
       continue;
     }
-    if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      continue;
+    }
+    const bool composite_default =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    // A structured op's generic wrapper takes its layout from the C++ meta
+    // function; where that differs from CPU, run the op through the executor.
+    const bool structured_with_wrong_layout =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+        metaLayoutsKnownWrong(name.name);
+    if (composite_default || structured_with_wrong_layout) {
       result.push_back(name);
     }
   }

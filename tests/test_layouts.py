@@ -1,0 +1,109 @@
+"""Ops whose meta kernels disagree with their CPU kernels about output
+layouts still give CPU's values, dtypes and strides on kiln (Note [Meta
+layouts and CPU layouts], Note [Verifying meta kernels]). Each case was a
+wrong value or an error before."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import assert_same
+
+
+def test_batch_norm_on_transposed_input_trains_like_cpu():
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 3)
+    cpu_bn, kiln_bn = nn.BatchNorm1d(3), nn.BatchNorm1d(3).to("kiln")
+    x_cpu = h.transpose(1, 2).requires_grad_()
+    x_kiln = h.to("kiln").transpose(1, 2).detach().requires_grad_()
+    out_cpu, out_kiln = cpu_bn(x_cpu), kiln_bn(x_kiln)
+    assert_same(out_kiln, out_cpu.detach())
+    assert_same(kiln_bn.running_mean, cpu_bn.running_mean)
+    assert_same(kiln_bn.running_var, cpu_bn.running_var)
+    out_cpu.pow(2).sum().backward()
+    out_kiln.pow(2).sum().backward()
+    assert_same(x_kiln.grad, x_cpu.grad)
+
+
+def test_native_batch_norm_statistics_in_train_and_eval():
+    x = torch.randn(2, 3, 4, 4).transpose(2, 3)
+    for training in (True, False):
+        args = (None, None, torch.zeros(3), torch.ones(3), training, 0.1, 1e-5)
+        cpu = torch.native_batch_norm(x, *args)
+        kiln = torch.native_batch_norm(x.to("kiln"), *[a.to("kiln") if isinstance(a, torch.Tensor) else a for a in args])
+        for k, c in zip(kiln, cpu):
+            assert_same(k, c)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_padding_channels_last(mode):
+    x = torch.arange(16.0).view(1, 2, 2, 4).contiguous(memory_format=torch.channels_last)
+    cpu = F.pad(x, (1, 1, 1, 1), mode=mode)
+    kiln = F.pad(x.to("kiln"), (1, 1, 1, 1), mode=mode)
+    assert_same(kiln, cpu)
+    assert kiln.stride() == cpu.stride()
+
+
+def test_max_unpool_and_conv_channels_last():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    out, idx = F.max_pool2d(x, 2, return_indices=True)
+    assert_same(F.max_unpool2d(out.to("kiln"), idx.to("kiln"), 2), F.max_unpool2d(out, idx, 2))
+    w = torch.randn(5, 3, 3, 3)
+    cpu, kiln = F.conv2d(x, w), F.conv2d(x.to("kiln"), w.to("kiln"))
+    assert_same(kiln, cpu)
+    assert kiln.stride() == cpu.stride()
+
+
+def test_complex_solve_from_the_right():
+    torch.manual_seed(0)
+    a = torch.randn(3, 3, dtype=torch.complex64)
+    b = torch.randn(4, 3, dtype=torch.complex64)
+    assert_same(torch.linalg.solve(a.to("kiln"), b.to("kiln"), left=False),
+                torch.linalg.solve(a, b, left=False).resolve_conj())
+
+
+def test_logsigmoid_gradient_on_non_contiguous_input():
+    x = torch.randn(4, 5).mT.contiguous().mT
+    grads = []
+    for device in ("cpu", "kiln"):
+        leaf = x.to(device).detach().requires_grad_()
+        F.logsigmoid(leaf).sum().backward()
+        grads.append(leaf.grad)
+    assert_same(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_norms(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8).to(dtype)
+    assert_same(nn.LayerNorm(8).to(dtype).to("kiln")(x.to("kiln")), nn.LayerNorm(8).to(dtype)(x))
+    assert_same(nn.BatchNorm1d(8).to(dtype).to("kiln")(x.to("kiln")), nn.BatchNorm1d(8).to(dtype)(x))
+
+
+def test_reducing_losses_and_embedding_bag():
+    torch.manual_seed(0)
+    p, t = torch.rand(6), torch.rand(6)
+    for reduction in ("mean", "sum", "none"):
+        assert_same(F.binary_cross_entropy(p.to("kiln"), t.to("kiln"), reduction=reduction),
+                    F.binary_cross_entropy(p, t, reduction=reduction))
+        assert_same(F.huber_loss(p.to("kiln"), t.to("kiln"), reduction=reduction),
+                    F.huber_loss(p, t, reduction=reduction))
+    w = torch.randn(10, 3)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    for mode in ("sum", "mean", "max"):
+        assert_same(F.embedding_bag(idx.to("kiln"), w.to("kiln"), offsets.to("kiln"), mode=mode),
+                    F.embedding_bag(idx, w, offsets, mode=mode))
+
+
+def test_layout_checks_happen_once_per_kind_of_input():
+    torch.kiln.clear_op_tracking()
+    for n in (8, 16, 32):  # new sizes, same kind of input: one check at most
+        torch.relu(torch.randn(n, 8, device="kiln"))
+    sync = torch.kiln.get_sync_ops()
+    assert set(sync) <= {"aten::relu (layout check)"} and sum(sync.values()) <= 1
+    torch.kiln.clear_op_tracking()
+    torch.relu(torch.randn(64, 8, device="kiln"))
+    assert torch.kiln.get_sync_ops() == {}
+    assert torch.kiln.get_executed_ops().get("aten::relu") == 1
