@@ -29,3 +29,24 @@ def test_zero_dim_cpu_tensors_act_as_scalars():
     assert_same(k + torch.tensor(1, dtype=torch.int64), torch.arange(3.0) + 1)
     assert_same(torch.tensor(2.0) * k, torch.arange(3.0) * 2)
     assert (k * torch.tensor(2.0)).device.type == "kiln"
+
+
+def test_kernel_warnings_become_python_warnings():
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.ones(1, device="kiln").std()
+        torch.kiln.synchronize()
+    assert any("degrees of freedom" in str(w.message) for w in caught)
+
+
+def test_kiln_generator_with_cpu_tensors_is_named():
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'kiln'"):
+        torch.randn(3, generator=torch.Generator(device="kiln"))
+
+
+def test_reading_past_a_shrunk_storage_is_a_clear_error():
+    x = torch.ones(2, device="kiln")
+    x.untyped_storage().resize_(4)
+    with pytest.raises(RuntimeError, match="extend past its storage"):
+        x.cpu()

@@ -46,3 +46,45 @@ def test_error_on_side_stream_stays_on_that_stream():
     with pytest.raises(RuntimeError, match="index_select"):
         s.synchronize()
     s.synchronize()
+
+
+def test_results_of_failed_kernels_cannot_be_read():
+    x = torch.arange(4.0, device="kiln")
+    y = torch.index_select(x, 0, torch.tensor([0, 9], device="kiln"))  # fails on the device
+    z = y * 2  # skipped
+    with pytest.raises(RuntimeError, match="index_select"):
+        torch.kiln.synchronize()
+    for t in (y, z, z + 1):  # never computed: reading them is an error, not garbage
+        with pytest.raises(RuntimeError, match="never computed.*index_select"):
+            t.sum().item()
+    y.zero_()  # overwritten whole: valid again
+    assert y.tolist() == [0.0, 0.0]
+    assert x.sum().item() == 6.0
+
+
+def test_launch_blocking_keeps_the_error_type():
+    from conftest import run_python
+    code = (
+        "import torch\n"
+        "x = torch.arange(4.0, device='kiln')\n"
+        "torch.index_select(x, 0, torch.tensor([1], device='kiln'))\n"
+        "try:\n"
+        "    torch.index_select(x, 0, torch.tensor([9], device='kiln'))\n"
+        "except IndexError as e:\n"
+        "    print('IndexError', 'out of range' in str(e))\n"
+    )
+    result = run_python(code, {"KILN_LAUNCH_BLOCKING": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["IndexError", "True"]
+
+
+def test_unraised_error_is_reported_at_exit():
+    from conftest import run_python
+    code = (
+        "import torch\n"
+        "x = torch.arange(4.0, device='kiln')\n"
+        "torch.index_select(x, 0, torch.tensor([1], device='kiln'))\n"
+        "torch.index_select(x, 0, torch.tensor([9], device='kiln'))\n"
+    )
+    result = run_python(code)
+    assert "error was never raised" in result.stderr and "index_select" in result.stderr

@@ -9,6 +9,8 @@ for an index outside ``[0, N)``.
 
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import Any
 
 import torch
@@ -55,6 +57,19 @@ from torch_kiln.kiln.random import (
 )
 
 _initialized = False
+
+
+def _report_unraised_errors() -> None:
+    """At exit, say so if a device kernel failed and the program never
+    synchronized afterwards (its error would otherwise go unseen)."""
+    if not _initialized or _is_in_bad_fork():
+        return
+    for message in _C._pending_errors():
+        sys.stderr.write(f"torch.kiln: a device kernel failed and its error was never raised "
+                         f"(the program exited without synchronizing): {message}\n")
+
+
+atexit.register(_report_unraised_errors)
 
 
 def _lazy_init() -> None:

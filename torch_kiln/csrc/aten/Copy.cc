@@ -13,6 +13,7 @@
 #include "aten/KernelLaunch.h"
 #include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
+#include "core/FailedResults.h"
 #include "core/KilnEvent.h"
 #include "core/KilnException.h"
 #include "core/KilnStream.h"
@@ -71,13 +72,14 @@ size_t denseBytes(const at::Tensor& t) {
   return static_cast<size_t>(t.numel()) * t.dtype().itemsize();
 }
 
-// Defensive: a byte range we are about to copy lies inside the tensor's
-// storage. Violations are Kiln bugs, not user errors.
+// A byte range we are about to copy lies inside the tensor's storage. It can
+// only fail if the storage was shrunk under the tensor (UntypedStorage.resize_).
 void checkSpanInStorage(const at::Tensor& t, size_t bytes) {
   const size_t begin = static_cast<size_t>(t.storage_offset()) * t.dtype().itemsize();
-  TORCH_INTERNAL_ASSERT(
-      begin + bytes <= t.storage().nbytes(), "copy span [", begin, ", ", begin + bytes,
-      ") exceeds the storage of ", t.storage().nbytes(), " bytes");
+  TORCH_CHECK(
+      begin + bytes <= t.storage().nbytes(), "The kiln tensor's elements (bytes ", begin, " to ",
+      begin + bytes, ") extend past its storage of ", t.storage().nbytes(),
+      " bytes; was the storage resized? Resize the tensor (or its storage) back before reading it.");
 }
 
 bool isPinned(const at::Tensor& t) {
@@ -100,7 +102,7 @@ void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnSt
   static const OpSchemaInfo& copy_info = opSchemaInfo(copy_op);
   KernelLaunch* launch = KernelLaunch::acquire();
   launch->setOperator(copy_op, copy_info);
-  launch->addArgument(c10::IValue(dst), ArgKind::Tensor);
+  launch->addArgument(c10::IValue(dst), ArgKind::Tensor, /*written=*/true);
   launch->addArgument(c10::IValue(src), ArgKind::Tensor);
   launch->addArgument(c10::IValue(false), ArgKind::Other);
   launch->launch(stream);
@@ -129,6 +131,9 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   checkSpanInStorage(target, bytes);
   KILN_CHECK(kilnMemcpyAsync(target.data_ptr(), staged.const_data_ptr(), bytes,
                              kilnMemcpyHostToDevice, stream.stream()));
+  if (bytes == target.storage().nbytes()) {
+    c10::kiln::clearFailedResult(target.storage().data()); // overwritten whole
+  }
   if (non_blocking && isPinned(staged)) {
     protectPinned(staged, stream);
   }
@@ -156,17 +161,22 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
   KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
                              kilnMemcpyDeviceToHost, stream.stream()));
   if (non_blocking && landing.is_same(dst) && isPinned(dst)) {
+    c10::kiln::checkNotFailedResult(src.storage().data()); // Note [Results of failed kernels]
     protectPinned(dst, stream);
     return;
   }
   recordSyncOp(sync_op);
-  stream.synchronize();
+  stream.synchronize(); // raises a pending kernel error first...
+  c10::kiln::checkNotFailedResult(src.storage().data()); // ...then refuses never-computed values
   if (!landing.is_same(dst)) {
     dst.copy_(landing);
   }
 }
 
 void copyBetweenKilnDevices(const at::Tensor& src, const at::Tensor& dst) {
+  if (const auto reason = c10::kiln::failedResultReason(src.storage().data())) {
+    c10::kiln::markFailedResult(dst.storage().data(), *reason); // the mark follows the data
+  }
   const KilnStream src_stream = c10::kiln::getCurrentKilnStream(src.device().index());
   const KilnStream dst_stream = c10::kiln::getCurrentKilnStream(dst.device().index());
   // Source bytes in the destination's dtype, contiguous, on the source device.

@@ -2,15 +2,28 @@
 
 #include <exception>
 #include <mutex>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
 #include "aten/KilnTask.h"
 #include "aten/TensorAliases.h"
+#include "core/DeviceWarnings.h"
+#include "core/FailedResults.h"
 #include "core/KilnException.h"
 
 namespace at::kiln {
 namespace {
+
+// The exception of the last task that failed on this thread. With
+// KILN_LAUNCH_BLOCKING=1 tasks run on the launching thread, which rethrows it
+// so the error keeps its type (IndexError, ...).
+thread_local std::exception_ptr inline_task_error;
+
+// The failure of the last task that failed on this (worker) thread: kernels
+// the runtime then skips on the same stream are released on this thread, and
+// name it as their cause (Note [Results of failed kernels]).
+thread_local std::string last_failure_on_thread;
 
 // Finished launch records, waiting to be reused (Note [Kernel launches are
 // built on the worker]). Records beyond kMaxPooled are deleted.
@@ -50,6 +63,20 @@ void TensorDescriptor::assign(const at::Tensor& tensor) {
   is_neg = tensor.is_neg();
 }
 
+bool TensorDescriptor::coversStorage() const {
+  if (!defined || host_tensor.defined() || storage_offset != 0) {
+    return false;
+  }
+  int64_t expected = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] != 1 && strides[i] != expected) {
+      return false;
+    }
+    expected *= sizes[i];
+  }
+  return static_cast<size_t>(expected) * c10::elementSize(dtype) == nbytes;
+}
+
 KernelLaunch* KernelLaunch::acquire() {
   KernelLaunch* record = nullptr;
   {
@@ -81,6 +108,7 @@ void KernelLaunch::clear() {
   first_output_ = 0;
   output_count_ = 0;
   cleared_ = true;
+  ran_ = false;
 }
 
 TensorDescriptor& KernelLaunch::nextDescriptor() {
@@ -96,7 +124,7 @@ void KernelLaunch::setOperator(const c10::OperatorHandle& op, const OpSchemaInfo
   info_ = &info;
 }
 
-void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind) {
+void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind, bool written) {
   Argument argument;
   argument.kind = kind;
   argument.first = static_cast<uint32_t>(used_descriptors_);
@@ -104,7 +132,9 @@ void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind) {
     case ArgKind::Tensor:
     case ArgKind::OptionalTensor:
       if (value.isTensor()) {
-        nextDescriptor().assign(value.toTensor());
+        TensorDescriptor& d = nextDescriptor();
+        d.assign(value.toTensor());
+        d.written = written;
         argument.count = 1;
       }
       break;
@@ -117,6 +147,7 @@ void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind) {
         } else {
           d.assign(at::Tensor());
         }
+        d.written = written;
         argument.count++;
       }
       break;
@@ -130,7 +161,9 @@ void KernelLaunch::addOutput(const at::Tensor& output) {
   if (output_count_ == 0) {
     first_output_ = static_cast<uint32_t>(used_descriptors_);
   }
-  nextDescriptor().assign(output);
+  TensorDescriptor& d = nextDescriptor();
+  d.assign(output);
+  d.written = true;
   output_count_++;
 }
 
@@ -284,27 +317,72 @@ std::string KernelLaunch::describe() const {
   return text + ")";
 }
 
+void KernelLaunch::markWrittenAsFailed(const std::string& reason) const {
+  for (size_t i = 0; i < used_descriptors_; ++i) {
+    const TensorDescriptor& d = descriptors_[i];
+    if (d.written && d.defined && !d.host_tensor.defined()) {
+      c10::kiln::markFailedResult(d.data, reason);
+    }
+  }
+}
+
+void KernelLaunch::propagateFailedResults() const {
+  const std::string& name = info_->schema->name();
+  const bool overwrites = name == "aten::fill_" || name == "aten::zero_" || name == "aten::copy_";
+  std::optional<std::string> invalid_input;
+  for (size_t i = 0; i < used_descriptors_ && !invalid_input; ++i) {
+    const TensorDescriptor& d = descriptors_[i];
+    if (d.defined && !d.written && !d.host_tensor.defined()) {
+      invalid_input = c10::kiln::failedResultReason(d.data);
+    }
+  }
+  if (invalid_input) {
+    markWrittenAsFailed(*invalid_input);
+    return;
+  }
+  if (overwrites) {
+    for (size_t i = 0; i < used_descriptors_; ++i) {
+      const TensorDescriptor& d = descriptors_[i];
+      if (d.written && d.coversStorage()) {
+        c10::kiln::clearFailedResult(d.data);
+      }
+    }
+  }
+}
+
 kilnError_t KernelLaunch::runTask(void* self) {
   auto* record = static_cast<KernelLaunch*>(self);
+  record->ran_ = true;
   std::string message;
   try {
     prepareWorkerThread();
+    c10::kiln::DeviceWarningCollector warnings;
     record->run();
     return kilnSuccess;
   } catch (const c10::Error& e) {
+    inline_task_error = std::current_exception();
     message = e.what_without_backtrace();
   } catch (const std::exception& e) {
+    inline_task_error = std::current_exception();
     message = e.what();
   } catch (...) {
+    inline_task_error = std::current_exception();
     message = "unknown C++ exception";
   }
   message = record->describe() + ": " + message;
   kilnTaskSetErrorMessage(message.c_str());
+  last_failure_on_thread = record->info_->schema->name() + ": " + message;
+  record->markWrittenAsFailed(last_failure_on_thread);
   return kilnErrorLaunchFailure;
 }
 
 void KernelLaunch::releaseTask(void* self) {
   auto* record = static_cast<KernelLaunch*>(self);
+  if (!record->ran_) {
+    record->markWrittenAsFailed(
+        record->info_->schema->name() + " was skipped after an earlier kernel on its stream failed" +
+        (last_failure_on_thread.empty() ? std::string() : ": " + last_failure_on_thread));
+  }
   auto& p = pool();
   {
     std::lock_guard<std::mutex> lock(p.mutex);
@@ -317,9 +395,17 @@ void KernelLaunch::releaseTask(void* self) {
 }
 
 void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
+  if (c10::kiln::anyFailedResults()) {
+    propagateFailedResults();
+  }
   // On failure the runtime has already called releaseTask.
-  KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
-                            info_->schema->name().c_str()));
+  inline_task_error = nullptr;
+  const kilnError_t status = kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
+                                            info_->schema->name().c_str());
+  if (status == kilnErrorLaunchFailure && inline_task_error) {
+    std::rethrow_exception(std::exchange(inline_task_error, nullptr));
+  }
+  KILN_CHECK(status);
 }
 
 } // namespace at::kiln

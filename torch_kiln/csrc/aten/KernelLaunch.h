@@ -50,8 +50,11 @@ struct TensorDescriptor {
   c10::SmallVector<int64_t, 6> strides;
   bool is_conj = false;
   bool is_neg = false;
+  bool written = false;               // the kernel writes it (output, out= or in-place)
 
   void assign(const at::Tensor& tensor);
+  // Whether the tensor's elements cover its whole storage, contiguously.
+  bool coversStorage() const;
 };
 
 class KernelLaunch {
@@ -65,7 +68,8 @@ class KernelLaunch {
   void setOperator(const c10::OperatorHandle& op, const OpSchemaInfo& info);
   // Records argument `value` of kind `kind` (tensors as descriptors; other
   // values as given: the caller substitutes generators and devices).
-  void addArgument(const c10::IValue& value, ArgKind kind);
+  // `written`: the kernel writes the argument's tensors.
+  void addArgument(const c10::IValue& value, ArgKind kind, bool written = false);
   // Records a fresh kiln output (in return order; undefined allowed).
   void addOutput(const at::Tensor& output);
   // Hands the record to the runtime; it runs on `stream` and returns to the
@@ -83,6 +87,11 @@ class KernelLaunch {
   void clear();
   void run();
   std::string describe() const;
+  // Note [Results of failed kernels]: marks what this kernel writes.
+  void markWrittenAsFailed(const std::string& reason) const;
+  // At launch: an input without valid values makes the outputs invalid too;
+  // a whole-storage overwrite (fill_, zero_, copy_) makes them valid again.
+  void propagateFailedResults() const;
   TensorDescriptor& nextDescriptor();
 
   static kilnError_t runTask(void* self);
@@ -96,6 +105,7 @@ class KernelLaunch {
   uint32_t first_output_ = 0;
   uint32_t output_count_ = 0;
   bool cleared_ = true;
+  bool ran_ = false;
 };
 
 } // namespace at::kiln

@@ -155,6 +155,13 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
       }
     });
   }
+  const bool has_kiln_tensor = device.has_value();
+  bool has_kiln_generator = false;
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    has_kiln_generator |= info.arg_kinds[i] == ArgKind::Generator && value.isGenerator() &&
+        value.toGenerator().device().is_privateuseone();
+  }
   if (!device) {
     for (size_t i = 0; i < num_args; ++i) {
       const c10::IValue& value = (*stack)[first + i];
@@ -189,6 +196,11 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
       }
       if (t.device().is_cpu() && t.dim() == 0 && !info.arg_is_mutable[i]) {
         return; // a host scalar
+      }
+      if (!has_kiln_tensor && has_kiln_generator && t.device().is_cpu()) {
+        // Only a kiln generator sent this CPU op here; say so, as CPU does.
+        TORCH_CHECK(false, "Expected a 'cpu' device type for generator but found 'kiln' (in ",
+                    opName(info), " on CPU tensors); use a CPU generator for CPU tensors.");
       }
       raiseDeviceMismatch(info, i, t, *device);
     });
@@ -710,7 +722,8 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     launch->setOperator(op, info);
     for (size_t i = 0; i < num_args; ++i) {
       const ArgKind kind = info.arg_kinds[i];
-      launch->addArgument(hostValueOf(info, (*stack)[first + i], kind, stream), kind);
+      launch->addArgument(hostValueOf(info, (*stack)[first + i], kind, stream), kind,
+                          info.arg_is_mutable[i]);
     }
     for (const auto& output : fresh) {
       launch->addOutput(output);

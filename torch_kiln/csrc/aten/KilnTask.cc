@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "core/DeviceWarnings.h"
 #include "core/KilnException.h"
 
 namespace at::kiln {
@@ -18,6 +19,7 @@ kilnError_t runTask(void* user_data) {
   auto* record = static_cast<TaskRecord*>(user_data);
   try {
     prepareWorkerThread();
+    c10::kiln::DeviceWarningCollector warnings;
     record->body->run();
     return kilnSuccess;
   } catch (const c10::Error& e) {

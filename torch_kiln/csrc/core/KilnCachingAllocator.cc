@@ -13,6 +13,7 @@
 #include <c10/util/flat_hash_map.h>
 #include <c10/util/irange.h>
 
+#include "core/FailedResults.h"
 #include "core/KilnEvent.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
@@ -122,6 +123,7 @@ class DeviceCache {
     if (block == nullptr) {
       block = allocateSegment(requested, size, is_small, stream);
     }
+    clearFailedResult(block->ptr); // new contents (Note [Results of failed kernels])
     block->allocated = true;
     block->requested = requested;
     block->stream_uses.clear();
@@ -301,6 +303,13 @@ class DeviceCache {
     c10::reportOutOfMemoryToProfiler(
         static_cast<int64_t>(requested), allocated, reserved,
         Device(DeviceType::PrivateUse1, device_));
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, requested > free_bytes,
+        "Kiln out of memory: the host could not provide ", format_size(requested), " (", requested,
+        " bytes) for kiln:", static_cast<int>(device_), " although the device reports ",
+        format_size(free_bytes), " free of its ", format_size(total_bytes),
+        " capacity. The reference device keeps its memory in host RAM: set KILN_DEVICE_MEMORY to "
+        "what this machine can hold, or free host memory.");
     TORCH_CHECK_WITH(
         OutOfMemoryError, false,
         "Kiln out of memory. Tried to allocate ", format_size(requested), " (",

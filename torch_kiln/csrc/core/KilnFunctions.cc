@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "core/DeviceWarnings.h"
 #include "core/KilnException.h"
 
 namespace c10::kiln {
@@ -126,13 +127,16 @@ DeviceIndex maybe_exchange_device(DeviceIndex index) {
 
 void device_synchronize(DeviceIndex index) {
   if (index < 0) {
-    KILN_CHECK(kilnDeviceSynchronize());
+    const kilnError_t status = kilnDeviceSynchronize();
+    flushDeviceWarnings();
+    KILN_CHECK(status);
     return;
   }
   check_device_index(index);
   const DeviceIndex previous = exchange_device(index);
   const kilnError_t status = kilnDeviceSynchronize();
   KILN_WARN(kilnSetDevice(previous));
+  flushDeviceWarnings();
   KILN_CHECK(status);
 }
 

@@ -9,6 +9,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "core/DeviceWarnings.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
 
@@ -121,7 +122,9 @@ bool KilnStream::query() const {
 }
 
 void KilnStream::synchronize() const {
-  KILN_CHECK(kilnStreamSynchronize(stream()));
+  const kilnError_t status = kilnStreamSynchronize(stream());
+  flushDeviceWarnings();
+  KILN_CHECK(status);
 }
 
 std::pair<int, int> KilnStream::priority_range() {

@@ -3,6 +3,7 @@
 // docstrings) lives in torch_kiln/kiln/*.py.
 #include <ATen/Context.h>
 #include <c10/core/DeviceType.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/utils/device_lazy_init.h>
 #include <torch/csrc/utils/pybind.h>
@@ -73,8 +74,11 @@ PYBIND11_MODULE(_C, m) {
         c10::kiln::maybe_exchange_device(static_cast<c10::DeviceIndex>(device)));
   });
   m.def("_synchronize", [](int device) {
-    py::gil_scoped_release no_gil;
-    c10::kiln::device_synchronize(static_cast<c10::DeviceIndex>(device));
+    torch::PyWarningHandler warnings; // device warnings become Python warnings
+    {
+      py::gil_scoped_release no_gil;
+      c10::kiln::device_synchronize(static_cast<c10::DeviceIndex>(device));
+    }
   });
   m.def("_get_device_properties", &deviceProperties);
   m.def("_get_default_generator", &defaultGenerator);
@@ -103,6 +107,19 @@ PYBIND11_MODULE(_C, m) {
     at::kiln::launchTask(stream, "kiln::sleep", [milliseconds] {
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
     });
+  });
+  m.def("_pending_errors", [] {
+    // At exit: errors of kernels nobody synchronized on would be lost.
+    std::vector<std::string> messages;
+    py::gil_scoped_release no_gil;
+    for (c10::DeviceIndex d = 0; d < c10::kiln::device_count(); ++d) {
+      try {
+        c10::kiln::device_synchronize(d);
+      } catch (const c10::Error& e) {
+        messages.emplace_back(e.what_without_backtrace());
+      }
+    }
+    return messages;
   });
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });

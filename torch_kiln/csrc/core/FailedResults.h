@@ -1,0 +1,45 @@
+// FailedResults.h — which device memory holds no valid result because the
+// kernel that should have written it failed or was skipped.
+//
+// Note [Results of failed kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Kernels run asynchronously, so when one fails (say an index out of range)
+// the tensors it should have written have already been returned to the
+// program, and the failure is raised at the next synchronization (Note
+// [Sticky stream errors] in the runtime). After that the stream works again,
+// and without more care a program could go on computing with, and reading,
+// memory that was never written. Kiln therefore remembers the storages of
+// failed and skipped kernels:
+//   * a kernel that fails, or is skipped because an earlier one on its stream
+//     failed, marks the storages it writes (KernelLaunch);
+//   * a kernel launched with a marked input marks what it writes, so the mark
+//     follows the data (KernelLaunch::launch);
+//   * reading a marked storage back to the host (item(), .cpu(), printing,
+//     copies) raises a RuntimeError naming the original failure;
+//   * a storage's mark ends when its memory is allocated anew, or when it is
+//     overwritten whole (fill_, zero_, copy_ from valid data).
+// Marks are keyed by the storage's first byte. With no marks (the normal
+// case) every check is one relaxed atomic load.
+//
+// Thread-safety: all functions are thread-safe (marks come from stream
+// workers, checks from program threads).
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace c10::kiln {
+
+// Marks the storage starting at `data` as not holding valid results.
+void markFailedResult(const void* data, const std::string& reason);
+// The reason if the storage starting at `data` is marked, else nullopt.
+std::optional<std::string> failedResultReason(const void* data);
+// Ends the mark of the storage starting at `data`, if any.
+void clearFailedResult(const void* data);
+// True if any storage is marked (a fast pre-check).
+bool anyFailedResults();
+
+// Throws RuntimeError if the storage starting at `data` is marked.
+void checkNotFailedResult(const void* data);
+
+} // namespace c10::kiln
