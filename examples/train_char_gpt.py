@@ -108,7 +108,7 @@ def sample(model, prompt: torch.Tensor, length: int, device) -> list[int]:
 
 
 def main() -> None:
-    default_device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    default_device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=str(default_device))
     parser.add_argument("--epochs", type=int, default=1, help="passes of --max-steps steps")

@@ -114,7 +114,7 @@ def evaluate(model, images, labels, device, batch_size=1000) -> float:
 
 
 def main() -> None:
-    default_device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    default_device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=str(default_device))
     parser.add_argument("--epochs", type=int, default=1)
