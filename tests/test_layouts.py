@@ -107,3 +107,43 @@ def test_layout_checks_happen_once_per_kind_of_input():
     torch.relu(torch.randn(64, 8, device="kiln"))
     assert torch.kiln.get_sync_ops() == {}
     assert torch.kiln.get_executed_ops().get("aten::relu") == 1
+
+
+def test_empty_out_tensors_take_cpus_layout():
+    x = torch.randn(4, 6).t()
+    assert torch.abs(x.to("kiln")).stride() == torch.abs(x).stride() == (1, 6)
+    kiln_out, cpu_out = torch.empty(0, device="kiln"), torch.empty(0)
+    torch.neg(x.to("kiln"), out=kiln_out)
+    torch.neg(x, out=cpu_out)
+    assert kiln_out.stride() == cpu_out.stride()
+    assert_same(kiln_out, cpu_out)
+    a = torch.randn(5, 5)
+    q, r = torch.empty(0, device="kiln"), torch.empty(0, device="kiln")
+    torch.linalg.qr(a.to("kiln"), out=(q, r))
+    cq, cr = torch.linalg.qr(a)
+    assert q.stride() == cq.stride()
+    assert_same(q, cq)
+    assert_same(r, cr)
+
+
+def test_ops_whose_generic_kernel_picks_a_device_kernel():
+    z = torch.randn(3, dtype=torch.complex64)
+    k = z.to("kiln")
+    k.conj_physical_()
+    assert_same(k, z.conj_physical())
+    a = torch.randn(4, 5)
+    values, indices = torch.empty(0, device="kiln"), torch.empty(0, dtype=torch.long, device="kiln")
+    torch.mode(a.to("kiln"), out=(values, indices))
+    assert_same(values, torch.mode(a).values)
+    assert_same(indices, torch.mode(a).indices)
+
+
+def test_sdpa_with_a_mask_that_needs_a_gradient():
+    torch.manual_seed(0)
+    tensors = [torch.randn(2, 4, 3, s) for s in (8, 8, 8, 3)]
+    grads = []
+    for device in ("cpu", "kiln"):
+        q, k, v, m = (t.to(device).requires_grad_() for t in tensors)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum().backward()
+        grads.append(m.grad)
+    assert_same(grads[1], grads[0])

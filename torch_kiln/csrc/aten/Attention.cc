@@ -17,15 +17,24 @@ namespace at::kiln {
 int64_t fusedSdpChoice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& attn_mask, double dropout_p,
                        bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  // Host aliases carry the metadata; CPU's selection never reads the data.
+  // Host aliases carry the metadata, including requires_grad (CPU picks the
+  // math kernel for a mask that needs a gradient); the selection never reads
+  // the data.
   TensorAliaser aliaser(c10::kCPU);
+  auto hostAlias = [&](const at::Tensor& t) {
+    at::Tensor alias = aliaser.alias(t);
+    if (t.requires_grad()) {
+      alias.set_requires_grad(true);
+    }
+    return alias;
+  };
   std::optional<at::Tensor> mask;
-  if (attn_mask.has_value()) {
-    mask = aliaser.alias(*attn_mask);
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    mask = hostAlias(*attn_mask);
   }
   return at::_ops::_fused_sdp_choice::redispatch(
-      c10::DispatchKeySet(c10::DispatchKey::CPU), aliaser.alias(query), aliaser.alias(key),
-      aliaser.alias(value), mask, dropout_p, is_causal, scale, enable_gqa);
+      c10::DispatchKeySet(c10::DispatchKey::CPU), hostAlias(query), hostAlias(key),
+      hostAlias(value), mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
 } // namespace at::kiln

@@ -50,9 +50,11 @@ namespace at::kiln {
 //     outputs (Note [Meta layouts and CPU layouts]). Pure view ops launch
 //     nothing.
 //  4. Data-dependent ops (output sizes or returned values that depend on
-//     tensor values: nonzero, masked_select, unique, item, equal, ...), ops
-//     without a meta kernel, and reductions given an empty tensor (whose
-//     CPU kernels raise errors the meta kernels do not) run synchronously: the task runs, the
+//     tensor values: nonzero, masked_select, unique, item, equal, ...) and
+//     reductions given an empty tensor (whose CPU kernels raise errors the
+//     meta kernels do not) run synchronously (ops without a meta kernel only
+//     their first call per argument signature, Note [Meta layouts and CPU
+//     layouts]): the task runs, the
 //     calling thread waits, and outputs are copied into new kiln tensors.
 //     They are counted in torch.kiln.get_sync_ops() because each one stalls
 //     the device the way it would on a GPU.
@@ -83,7 +85,7 @@ namespace at::kiln {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Which meta kernels disagree with CPU is not known in advance for every op
 // and input kind, so Kiln checks: the first call of an op with fresh outputs
-// in each *layout class* (dtypes, ranks, memory formats and flags of its
+// (or with an empty out= tensor to resize) in each *layout class* (dtypes, ranks, memory formats and flags of its
 // arguments; not sizes, see LayoutCache::layoutClassOf) runs synchronously
 // and compares the CPU kernel's result layouts with the meta kernel's. If
 // they agree, later calls of that class trust the meta kernel and run
@@ -237,6 +239,15 @@ bool hasEmptyTensor(const OpSchemaInfo& info, const Stack& stack, size_t first) 
     });
   }
   return empty;
+}
+
+bool hasEmptyOutArgument(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_is_out[i] && stack[first + i].isTensor() && stack[first + i].toTensor().numel() == 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // ---------------------------------------------------------------- aliases
@@ -432,8 +443,10 @@ struct LayoutProbe {
   // Record the kiln outputs' layouts in the layout cache under this
   // signature (if not null).
   const LayoutCache::Signature* signature = nullptr;
-  // Filled: the layouts of the CPU kernel's own fresh results, per return.
+  // Filled: the layouts of the CPU kernel's own fresh results, per return,
+  // and of out= arguments that were empty before the call, per argument.
   std::vector<std::vector<TensorLayout>> cpu_results;
+  std::vector<std::optional<TensorLayout>> cpu_out_args;
 };
 
 // Runs the CPU kernel now and waits (Note [How an eager op runs on kiln],
@@ -455,9 +468,11 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   // out= arguments get fresh host tensors: the kernel may resize them; the
   // results are copied into the kiln tensors afterwards.
   std::vector<at::Tensor> host_outs(num_args);
+  std::vector<bool> out_was_empty(num_args, false);
   for (size_t i = 0; i < num_args; ++i) {
     if (info.arg_is_out[i] && host_args[i].isTensor()) {
       const at::Tensor& kiln_out = (*stack)[first + i].toTensor();
+      out_was_empty[i] = kiln_out.numel() == 0;
       host_outs[i] = at::empty({0}, at::TensorOptions().dtype(kiln_out.dtype()));
       host_args[i] = c10::IValue(host_outs[i]);
     }
@@ -483,12 +498,15 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     std::rethrow_exception(outcome->error);
   }
 
-  // out= arguments: resize the kiln tensor if the kernel resized, then copy.
+  // out= arguments: an empty or wrongly sized kiln tensor takes the layout
+  // the CPU kernel gave its output (as resizing it on CPU would); then copy.
   for (size_t i = 0; i < num_args; ++i) {
     if (host_outs[i].defined()) {
       const at::Tensor& kiln_out = (*stack)[first + i].toTensor();
-      if (!kiln_out.sizes().equals(host_outs[i].sizes())) {
-        adoptLayout(kiln_out, TensorLayout::of(host_outs[i]));
+      if (kiln_out.numel() == 0 || !kiln_out.sizes().equals(host_outs[i].sizes())) {
+        TensorLayout layout = TensorLayout::of(host_outs[i]);
+        layout.storage_offset = kiln_out.storage_offset();
+        adoptLayout(kiln_out, layout);
       }
       kiln_out.copy_(host_outs[i]);
     }
@@ -543,6 +561,12 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     }
   }
   if (probe != nullptr) {
+    probe->cpu_out_args.assign(num_args, std::nullopt);
+    for (size_t i = 0; i < num_args; ++i) {
+      if (out_was_empty[i]) {
+        probe->cpu_out_args[i] = TensorLayout::of((*stack)[first + i].toTensor());
+      }
+    }
     probe->cpu_results.assign(num_returns, {});
     for (size_t r = 0; r < num_returns; ++r) {
       if (info.returns[r].kind == ReturnKind::Fresh) {
@@ -603,7 +627,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       "ATen's CPU kernels and this operator has none. Please file an issue with the program "
       "that needs it.");
 
-  if (info.is_data_dependent || !info.has_meta_kernel ||
+  if (info.is_data_dependent ||
       (info.checks_empty_inputs && hasEmptyTensor(info, *stack, first))) {
     runSynchronously(op, info, stack, first, device);
     return;
@@ -617,9 +641,9 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     // Note [Verifying meta kernels]: is the meta kernel's layout CPU's?
     auto trust = LayoutCache::MetaTrust::Trusted;
     std::optional<LayoutCache::Signature> layout_class;
-    if (info.layouts_from_cpu.load(std::memory_order_relaxed)) {
+    if (info.layouts_from_cpu.load(std::memory_order_relaxed) || !info.has_meta_kernel) {
       trust = LayoutCache::MetaTrust::Untrusted;
-    } else if (info.has_fresh_returns) {
+    } else if (info.has_fresh_returns || hasEmptyOutArgument(info, *stack, first)) {
       layout_class = LayoutCache::layoutClassOf(info, *stack, first);
       trust = layout_class ? LayoutCache::trust(*layout_class) : LayoutCache::MetaTrust::Untrusted;
     }
@@ -648,6 +672,12 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
         agree = expected.size() == actual.size();
         for (size_t k = 0; k < expected.size() && agree; ++k) {
           agree = expected[k].sameAs(actual[k]);
+        }
+      }
+      for (size_t i = 0; i < num_args && agree; ++i) {
+        if (probe.cpu_out_args[i].has_value()) {
+          agree = meta->mutable_args[i].size() == 1 &&
+              meta->mutable_args[i][0].sameAs(*probe.cpu_out_args[i]);
         }
       }
       LayoutCache::setTrust(*layout_class, agree);

@@ -11,7 +11,9 @@
 // device) for PrivateUse1 on every such operator. Autograd is unaffected:
 // these operators' derivatives are registered separately.
 //
-// Likewise for structured operators whose generated generic wrapper allocates
+// Likewise for a few generic kernels that select a kernel by device type
+// and fail for PrivateUse1 (selectsKernelByDeviceType), and for structured
+// operators whose generated generic wrapper allocates
 // outputs in a layout that differs from CPU's (Note [Meta layouts and CPU
 // layouts]): the executor then runs them and takes CPU's layouts.
 //
@@ -19,6 +21,8 @@
 // mish_backward, native_channel_shuffle) are left alone: overriding them
 // would also remove their autograd formula. They may differ from CPU in the
 // last bits.
+#include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,6 +33,19 @@
 
 namespace at::kiln {
 namespace {
+
+// Generic (CompositeExplicitAutograd) kernels that pick a per-device kernel
+// themselves (a DispatchStub, or a device-type check), and so fail for
+// PrivateUse1; through the executor they run on CPU, where the pick succeeds.
+bool selectsKernelByDeviceType(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> names = {
+      "aten::conj_physical_", // conj_physical_stub
+      "aten::mode.values",    // "mode only supports CPU, CUDA and XPU"
+  };
+  const std::string full =
+      name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+  return names.count(full) != 0;
+}
 
 std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
   std::vector<c10::OperatorName> result;
@@ -41,12 +58,15 @@ std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
     if (!op.has_value() || !op->hasSchema()) {
       continue;
     }
-    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
       continue;
     }
     const bool composite_default =
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        !(composite_default && selectsKernelByDeviceType(name))) {
+      continue;
+    }
     // A structured op's generic wrapper takes its layout from the C++ meta
     // function; where that differs from CPU, run the op through the executor.
     const bool structured_with_wrong_layout =
