@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include <c10/util/Exception.h>
 #include <libkineto.h>
 #include <output_base.h>
 
@@ -28,9 +29,15 @@ bool KilnProfilerSession::check(kilnError_t status, const char* what) {
   if (status == kilnSuccess) {
     return true;
   }
-  errors_.push_back(std::string("kiln profiler: ") + what + " failed: " + kilnGetErrorName(status) +
-                    ": " + kilnGetLastErrorMessage());
+  warn(std::string("kiln profiler: ") + what + " failed, the profile has no kiln device activity: " +
+       kilnGetErrorName(status) + ": " + kilnGetLastErrorMessage());
   return false;
+}
+
+void KilnProfilerSession::warn(std::string message) {
+  // Kineto does not surface a session's errors(); a warning reaches the user.
+  TORCH_WARN(message);
+  errors_.push_back(std::move(message));
 }
 
 void KilnProfilerSession::start() {
@@ -61,10 +68,10 @@ void KilnProfilerSession::stop() {
   }
   check(kilnActivityGetDroppedCount(&dropped_), "kilnActivityGetDroppedCount");
   if (dropped_ > 0) {
-    errors_.push_back("kiln profiler: " + std::to_string(dropped_) +
-                      " device activity records were dropped (more than " +
-                      std::to_string(KILN_ACTIVITY_DEFAULT_MAX_RECORDS) +
-                      " in one profile); profile a shorter window");
+    warn("kiln profiler: " + std::to_string(dropped_) +
+         " device activity records were dropped: a profile keeps at most " +
+         std::to_string(KILN_ACTIVITY_DEFAULT_MAX_RECORDS) +
+         "; profile fewer steps (e.g. with torch.profiler.schedule)");
   }
   status_ = libkineto::TraceStatus::PROCESSING;
 }

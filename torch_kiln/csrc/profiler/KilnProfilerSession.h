@@ -7,7 +7,8 @@
 // data flow] in KilnActivityProfiler.cc.
 //
 // Errors: nothing here throws into Kineto. A runtime failure (e.g. kiln is
-// unavailable) turns the session into a no-op and is listed by errors().
+// unavailable) turns the session into a no-op; it and dropped records are
+// reported as warnings (TORCH_WARN) and by errors().
 //
 // Thread-safety: push/pop may come from any thread and only touch the
 // runtime's per-thread stacks; the other methods are called by Kineto from
@@ -54,8 +55,10 @@ class KilnProfilerSession final : public libkineto::IActivityProfilerSession {
   void popUserCorrelationId() override;
 
  private:
-  // Records `what` failed with `status` in errors_ (and returns false).
+  // False (after warning) if `status` is a failure of `what`.
   bool check(kilnError_t status, const char* what);
+  // A Python warning, also kept in errors_.
+  void warn(std::string message);
 
   std::set<libkineto::ActivityType> activity_types_;
   bool recording_ = false;
