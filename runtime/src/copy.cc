@@ -19,6 +19,7 @@
 // A synchronous copy skipped because of a sticky error returns that error
 // (and so clears it): the caller must learn that the bytes did not arrive. In
 // blocking mode every copy runs at once, so nothing is staged.
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -77,10 +78,53 @@ kilnError_t ClassifyCopy(Runtime& rt, void* dst, const void* src, size_t count, 
   return ClassifyRange(rt, "src", src, count, s);
 }
 
+const char* MemoryName(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kDevice: return "Device";
+    case MemoryKind::kPinned: return "Pinned";
+    case MemoryKind::kPageable: return "Pageable";
+  }
+  return "?";
+}
+
+// The activity kind and CUDA-style name of a copy ("Memcpy HtoD (Pageable ->
+// Device)"), for its activity record (Note [Activity tracing]).
+kilnActivityKind CopyActivityKind(const Range& d, const Range& s, const char** direction) {
+  const bool from_device = s.kind == MemoryKind::kDevice;
+  const bool to_device = d.kind == MemoryKind::kDevice;
+  if (from_device && to_device) {
+    *direction = s.device == d.device ? "DtoD" : "PtoP";
+    return s.device == d.device ? kilnActivityKindMemcpyDtoD : kilnActivityKindMemcpyPeer;
+  }
+  if (to_device) {
+    *direction = "HtoD";
+    return kilnActivityKindMemcpyHtoD;
+  }
+  if (from_device) {
+    *direction = "DtoH";
+    return kilnActivityKindMemcpyDtoH;
+  }
+  *direction = "HtoH";
+  return kilnActivityKindMemcpyHtoH;
+}
+
+void AttachCopyActivity(ApiActivity& activity, Entry& e, const Stream* stream, size_t count,
+                        const Range& d, const Range& s) {
+  if (!activity.on()) return;
+  const char* direction = "";
+  const kilnActivityKind kind = CopyActivityKind(d, s, &direction);
+  char name[64];
+  std::snprintf(name, sizeof name, "Memcpy %s (%s -> %s)", direction, MemoryName(s.kind),
+                MemoryName(d.kind));
+  activity.Attach(e, stream, kind, name, count, s.kind == MemoryKind::kDevice ? s.device : -1,
+                  d.kind == MemoryKind::kDevice ? d.device : -1);
+}
+
 // Enqueues a validated copy on `stream` per Note [Pageable and pinned copies];
 // `always_wait` makes it synchronous whatever the memory (kilnMemcpy).
-kilnError_t SubmitCopy(Runtime& rt, Stream* stream, void* dst, const void* src, size_t count,
-                       const Range& d, const Range& s, bool always_wait) {
+kilnError_t SubmitCopy(Runtime& rt, ApiActivity& activity, Stream* stream, void* dst,
+                       const void* src, size_t count, const Range& d, const Range& s,
+                       bool always_wait) {
   const bool wait = always_wait || d.kind == MemoryKind::kPageable;
   const bool stage = !wait && s.kind == MemoryKind::kPageable && !rt.config.launch_blocking;
   if (wait) {
@@ -104,9 +148,14 @@ kilnError_t SubmitCopy(Runtime& rt, Stream* stream, void* dst, const void* src, 
     e.src = buffer;
     e.staging = buffer;
   }
+  AttachCopyActivity(activity, e, stream, count, d, s);
   uint64_t seq = 0;
-  if (kilnError_t err = stream->Submit(e, &seq)) {
-    std::free(e.staging);
+  bool consumed = false;
+  if (kilnError_t err = stream->Submit(e, &seq, &consumed)) {
+    if (!consumed) {  // (a copy entry never fails once enqueued; this is defensive)
+      activity.Detach(e);
+      std::free(e.staging);
+    }
     return err;
   }
   if (!wait) return kilnSuccess;
@@ -123,6 +172,7 @@ kilnError_t SubmitCopy(Runtime& rt, Stream* stream, void* dst, const void* src, 
 }  // namespace
 }  // namespace kiln
 
+using kiln::ApiActivity;
 using kiln::ApiCall;
 using kiln::Fail;
 using kiln::MemoryKind;
@@ -135,6 +185,7 @@ extern "C" {
 KILN_API kilnError_t kilnMemcpyAsync(void* dst, const void* src, size_t count, kilnMemcpyKind kind,
                                      kilnStream_t stream) {
   return ApiCall("kilnMemcpyAsync", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnMemcpyAsync");
     if (!kiln::ValidKind(kind)) return Fail(kilnErrorInvalidValue, "kind %d is not a kilnMemcpyKind", static_cast<int>(kind));
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
@@ -142,12 +193,13 @@ KILN_API kilnError_t kilnMemcpyAsync(void* dst, const void* src, size_t count, k
     Range d, sr;
     if (kilnError_t err = kiln::ClassifyCopy(rt, dst, src, count, &d, &sr)) return err;
     if (kilnError_t err = kiln::CheckKind(kind, dst, d, src, sr)) return err;
-    return kiln::SubmitCopy(rt, s, dst, src, count, d, sr, /*always_wait=*/false);
+    return kiln::SubmitCopy(rt, activity, s, dst, src, count, d, sr, /*always_wait=*/false);
   });
 }
 
 KILN_API kilnError_t kilnMemcpy(void* dst, const void* src, size_t count, kilnMemcpyKind kind) {
   return ApiCall("kilnMemcpy", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnMemcpy");
     if (!kiln::ValidKind(kind)) return Fail(kilnErrorInvalidValue, "kind %d is not a kilnMemcpyKind", static_cast<int>(kind));
     if (count == 0) return kilnSuccess;
     Range d, sr;
@@ -165,13 +217,14 @@ KILN_API kilnError_t kilnMemcpy(void* dst, const void* src, size_t count, kilnMe
     }
     Stream* s = nullptr;
     if (kilnError_t err = kiln::GetDefaultStream(rt, device, &s)) return err;
-    return kiln::SubmitCopy(rt, s, dst, src, count, d, sr, /*always_wait=*/true);
+    return kiln::SubmitCopy(rt, activity, s, dst, src, count, d, sr, /*always_wait=*/true);
   });
 }
 
 KILN_API kilnError_t kilnMemcpyPeerAsync(void* dst, int dstDevice, const void* src, int srcDevice,
                                          size_t count, kilnStream_t stream) {
   return ApiCall("kilnMemcpyPeerAsync", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnMemcpyPeerAsync");
     if (kilnError_t err = kiln::CheckDevice(rt, dstDevice)) return err;
     if (kilnError_t err = kiln::CheckDevice(rt, srcDevice)) return err;
     Stream* s = nullptr;
@@ -190,12 +243,13 @@ KILN_API kilnError_t kilnMemcpyPeerAsync(void* dst, int dstDevice, const void* s
     if (sr.kind != MemoryKind::kDevice || sr.device != srcDevice)
       return Fail(kilnErrorInvalidValue, "src %p is %s, not memory of kiln device %d (srcDevice)", src,
                   kiln::Describe(sr).c_str(), srcDevice);
-    return kiln::SubmitCopy(rt, s, dst, src, count, d, sr, /*always_wait=*/false);
+    return kiln::SubmitCopy(rt, activity, s, dst, src, count, d, sr, /*always_wait=*/false);
   });
 }
 
 KILN_API kilnError_t kilnMemsetAsync(void* devPtr, int value, size_t count, kilnStream_t stream) {
   return ApiCall("kilnMemsetAsync", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnMemsetAsync");
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
     if (count == 0) return kilnSuccess;
@@ -211,7 +265,11 @@ KILN_API kilnError_t kilnMemsetAsync(void* devPtr, int value, size_t count, kiln
     e.dst = devPtr;
     e.value = value;
     e.count = count;
-    return s->Submit(e);
+    activity.Attach(e, s, kilnActivityKindMemset, "Memset (Device)", count, -1, r.device);
+    bool consumed = false;
+    const kilnError_t err = s->Submit(e, nullptr, &consumed);
+    if (!consumed) activity.Detach(e);
+    return err;
   });
 }
 

@@ -145,8 +145,10 @@ KILN_API kilnError_t kilnGetDeviceProperties(kilnDeviceProp* prop, int device) {
 
 KILN_API kilnError_t kilnDeviceSynchronize(void) {
   return ApiCall("kilnDeviceSynchronize", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnDeviceSynchronize");
     int d = 0;
     if (kilnError_t err = kiln::CurrentDevice(rt, &d)) return err;
+    activity.SetDevice(d);
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(d)) return err;
     const std::vector<kiln::Stream*> streams = kiln::SnapshotStreams(rt.devices[d]);
     for (kiln::Stream* s : streams) s->WaitFor(s->submitted());

@@ -145,6 +145,7 @@ KILN_API kilnError_t kilnEventDestroy(kilnEvent_t event) {
 
 KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream) {
   return ApiCall("kilnEventRecord", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnEventRecord");
     Event* ev = nullptr;
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
@@ -168,8 +169,11 @@ KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream) {
     e.kind = kiln::EntryKind::kRecord;
     e.event = ev;
     e.gen = gen;
+    activity.Attach(e, s, kilnActivityKindEventRecord, "Event Record");
     // Not holding ev->mu: in blocking mode the record completes inside Submit.
-    const kilnError_t err = s->Submit(e);
+    bool consumed = false;
+    const kilnError_t err = s->Submit(e, nullptr, &consumed);
+    if (!consumed) activity.Detach(e);
     if (err != kilnSuccess) {
       bool recycle;
       {
@@ -190,11 +194,13 @@ KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream) {
 
 KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event, unsigned int flags) {
   return ApiCall("kilnStreamWaitEvent", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnStreamWaitEvent");
     if (flags != 0) return Fail(kilnErrorInvalidValue, "flags must be 0 (got %u)", flags);
     Stream* s = nullptr;
     Event* ev = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
+    activity.SetStream(s);
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
@@ -205,7 +211,11 @@ KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event,
     e.kind = kiln::EntryKind::kWait;
     e.event = ev;
     e.gen = gen;
-    return s->Submit(e);
+    activity.Attach(e, s, kilnActivityKindEventWait, "Event Wait");
+    bool consumed = false;
+    const kilnError_t err = s->Submit(e, nullptr, &consumed);
+    if (!consumed) activity.Detach(e);
+    return err;
   });
 }
 
@@ -219,6 +229,7 @@ KILN_API kilnError_t kilnEventQuery(kilnEvent_t event) {
 
 KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
   return ApiCall("kilnEventSynchronize", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnEventSynchronize");
     Event* ev = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
     uint64_t gen;
@@ -227,6 +238,7 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
       gen = ev->latest_gen;
       const kiln::PendingRecords::Record* record = ev->pending.Find(gen);
       if (gen == 0 || record == nullptr) return kilnSuccess;
+      activity.SetStream(record->stream);
       // See Note [Blocking calls inside tasks].
       if (record->stream == kiln::t_running_stream)
         return Fail(kilnErrorNotPermitted,

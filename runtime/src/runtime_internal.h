@@ -18,6 +18,8 @@
 //             completes. See Note [Event generations].
 //   Memory    the allocation tables (base → size/device) live in the Runtime;
 //             the bytes come from the system allocator.
+//   Tracer    the activity records of kilnActivity*, owned by the Runtime.
+//             See Note [Activity tracing] in trace.cc.
 //
 // Locking (never take two of these in a different order than listed; most
 // paths take exactly one)
@@ -32,6 +34,9 @@
 //                     submitting to a stream, so a blocking-mode record that
 //                     completes inline can take it again.
 //   HandlePool::mu_   the pool's free list.
+//   Tracer::mu_       the undrained activity records. Taken last: by a worker
+//                     after running an entry, by a caller at the end of an
+//                     API call; nothing else is acquired while holding it.
 // Handle validation (HandlePool::Contains) and the hot counters of a stream are
 // lock-free atomics.
 #ifndef KILN_RUNTIME_INTERNAL_H_
@@ -44,6 +49,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -229,6 +235,7 @@ class HandlePool {
 
 struct Event;
 class Stream;
+struct PendingActivity;
 
 // The stream whose entry the calling thread is running right now (a worker
 // thread, or the launching thread in blocking mode), else nullptr.
@@ -267,6 +274,10 @@ struct Entry {
   // kRecord, kWait
   Event* event = nullptr;
   uint64_t gen = 0;
+  // Set when activity tracing was enabled at submission: the record the
+  // runner completes with the entry's start and end times (or discards if the
+  // entry is skipped). Owned by the entry. See Note [Activity tracing].
+  PendingActivity* trace = nullptr;
 };
 
 // An in-order queue of entries run by one worker thread (or, with
@@ -326,6 +337,8 @@ class Stream {
   int device() const { return device_.load(std::memory_order_relaxed); }
   int priority() const { return priority_.load(std::memory_order_relaxed); }
   bool is_default() const { return is_default_.load(std::memory_order_relaxed); }
+  // kilnStreamGetId: assigned by each Activate, so never reused.
+  uint64_t id() const { return id_.load(std::memory_order_relaxed); }
 
  private:
   void WorkerLoop();
@@ -335,6 +348,8 @@ class Stream {
   // Runs one entry. Returns the task's failure (kilnErrorLaunchFailure with
   // *message) or kilnSuccess. Skip decisions per Note [Sticky stream errors].
   kilnError_t Run(Entry& e, std::string* message);
+  // Completes (ran) or discards (skipped) an entry's activity record.
+  static void FinishTrace(PendingActivity* trace, bool ran, int64_t start, int64_t end);
   void SetSticky(std::string message);
   void PublishCompleted(uint64_t seq);
   void GrowRing();  // mu_ held
@@ -345,6 +360,7 @@ class Stream {
   std::atomic<bool> is_default_{false};
   std::atomic<bool> alive_{false};
   std::atomic<bool> blocking_{false};  // KILN_LAUNCH_BLOCKING: run entries inline
+  std::atomic<uint64_t> id_{0};
   bool worker_started_ = false;  // serialised by the callers of Activate
 
   // Queue (mu_). head_/tail_ count entries ever popped/pushed.
@@ -456,6 +472,126 @@ void CompleteEventRecord(Event* event, uint64_t gen, Stream* stream, uint64_t se
 void WaitEventGeneration(Event* event, uint64_t gen);
 
 // ---------------------------------------------------------------------------
+// Activity tracing (trace.cc). See Note [Activity tracing].
+// ---------------------------------------------------------------------------
+
+// A device record in flight: filled by the enqueueing thread, completed with
+// its times by whichever thread runs the entry.
+struct PendingActivity {
+  kilnActivityRecord record;
+  uint32_t collection;  // the collection it belongs to (Tracer::Enable)
+};
+
+// The undrained records of the current collection, and the switch.
+//
+// Thread-safety: all methods may be called from any thread.
+class Tracer {
+ public:
+  // The hot check: the current collection's number while tracing is enabled,
+  // 0 while it is disabled. One relaxed load.
+  uint32_t enabled() const { return enabled_.load(std::memory_order_relaxed); }
+
+  void Enable(size_t max_records);
+  void Disable() { enabled_.store(0, std::memory_order_relaxed); }
+
+  // Appends a finished record of `collection` (dropped if that collection is
+  // over or the buffer is full). Never throws.
+  void Write(uint32_t collection, const kilnActivityRecord& record) noexcept;
+
+  // Device records in flight (see Flush). Start: when a PendingActivity is
+  // attached to an entry. Complete: writes it with its times and deletes it;
+  // Discard: deletes it unwritten (skipped, or never enqueued).
+  void StartPending() noexcept { outstanding_.fetch_add(1, std::memory_order_relaxed); }
+  void Complete(PendingActivity* p, int64_t start, int64_t end) noexcept;
+  void Discard(PendingActivity* p) noexcept;
+  // Blocks until no device record is in flight.
+  void Flush();
+
+  // Moves up to `capacity` of the oldest records to `out`; returns how many.
+  size_t Drain(kilnActivityRecord* out, size_t capacity);
+  size_t Available();
+  size_t Dropped();
+
+  // Process-unique correlation ids, starting at 1.
+  uint64_t NextCorrelationId() noexcept {
+    return next_correlation_.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+ private:
+  void WriteLocked(uint32_t collection, const kilnActivityRecord& record) noexcept;  // mu_ held
+  void FinishPendingLocked() noexcept;  // mu_ held
+
+  std::atomic<uint32_t> enabled_{0};
+  std::atomic<uint64_t> next_correlation_{0};
+  std::atomic<int64_t> outstanding_{0};
+  std::mutex mu_;
+  std::condition_variable flushed_;
+  uint32_t collection_ = 0;  // the latest collection (mu_)
+  std::deque<kilnActivityRecord> records_;  // (mu_)
+  size_t max_records_ = KILN_ACTIVITY_DEFAULT_MAX_RECORDS;  // (mu_)
+  size_t dropped_ = 0;  // (mu_)
+};
+
+// The calling thread's OS thread id (gettid), cached.
+uint64_t CurrentThreadId() noexcept;
+
+// The innermost external correlation id of `kind` pushed by the calling
+// thread, or 0.
+uint64_t CurrentExternalId(kilnExternalCorrelationKind kind) noexcept;
+
+struct Runtime;
+
+// Traces one runtime call that enqueues or waits for device work. Created at
+// the top of the call; with tracing disabled it costs one relaxed load and
+// every method does nothing. The Api record is written when it goes out of
+// scope, if the call got as far as naming its target (SetStream/SetDevice).
+// Lives on the calling thread.
+class ApiActivity {
+ public:
+  inline ApiActivity(Runtime& rt, const char* api) noexcept;  // defined below Runtime
+  ~ApiActivity() {
+    if (__builtin_expect(on(), 0)) End();
+  }
+  ApiActivity(const ApiActivity&) = delete;
+  ApiActivity& operator=(const ApiActivity&) = delete;
+
+  bool on() const { return collection_ != 0; }
+  void SetStream(const Stream* s) noexcept {
+    if (__builtin_expect(on(), 0)) SetStreamSlow(s);
+  }
+  void SetDevice(int device) noexcept {
+    if (__builtin_expect(on(), 0)) SetDeviceSlow(device);
+  }
+
+  // Gives `e` a device record of `kind` named `name` (copied now), to be
+  // completed by whoever runs it, and sets the target to `s`. If `e` is not
+  // enqueued after all, call Detach.
+  void Attach(Entry& e, const Stream* s, kilnActivityKind kind, const char* name,
+              size_t bytes = 0, int src_device = -1, int dst_device = -1) noexcept {
+    if (__builtin_expect(on(), 0)) AttachSlow(e, s, kind, name, bytes, src_device, dst_device);
+  }
+  void Detach(Entry& e) noexcept {
+    if (e.trace != nullptr) {
+      tracer_->Discard(e.trace);
+      e.trace = nullptr;
+    }
+  }
+
+ private:
+  void Begin(const char* api) noexcept;
+  void End() noexcept;
+  void SetStreamSlow(const Stream* s) noexcept;
+  void SetDeviceSlow(int device) noexcept;
+  void AttachSlow(Entry& e, const Stream* s, kilnActivityKind kind, const char* name, size_t bytes,
+                  int src_device, int dst_device) noexcept;
+
+  Tracer* tracer_ = nullptr;
+  uint32_t collection_;
+  bool targeted_ = false;
+  kilnActivityRecord record_;  // the Api record; filled only when on()
+};
+
+// ---------------------------------------------------------------------------
 // Devices and the runtime (init.cc, device.cc)
 // ---------------------------------------------------------------------------
 
@@ -488,10 +624,20 @@ struct Runtime {
 
   HandlePool<Stream> stream_pool;
   HandlePool<Event> event_pool;
+
+  Tracer tracer;
 };
 
 // The process's runtime, created on first use (never destroyed).
 Runtime& GetRuntime();
+
+inline ApiActivity::ApiActivity(Runtime& rt, const char* api) noexcept
+    : collection_(rt.tracer.enabled()) {
+  if (__builtin_expect(on(), 0)) {
+    tracer_ = &rt.tracer;
+    Begin(api);
+  }
+}
 
 // Set in a child process forked after initialisation. See Note [Fork safety].
 extern std::atomic<bool> g_forked_child;

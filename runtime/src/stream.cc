@@ -80,6 +80,9 @@ thread_local Stream* t_running_stream = nullptr;
 
 namespace {
 
+// kilnStreamGetId numbers; 0 is never handed out.
+std::atomic<uint64_t> g_next_stream_id{0};
+
 constexpr int64_t kWorkerSpinNs = 20'000;
 constexpr int64_t kWaitSpinNs = 20'000;
 constexpr size_t kInitialRing = 64;
@@ -145,6 +148,7 @@ kilnError_t Stream::Activate(int device, int priority, bool is_default, bool blo
     return Fail(kilnErrorMemoryAllocation, "out of host memory for a new stream's queue");
   }
   device_.store(device, std::memory_order_relaxed);
+  id_.store(g_next_stream_id.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   priority_.store(priority, std::memory_order_relaxed);
   is_default_.store(is_default, std::memory_order_relaxed);
   blocking_.store(blocking, std::memory_order_relaxed);
@@ -266,31 +270,55 @@ bool Stream::ShouldSkip(uint64_t seq) const {
 }
 
 kilnError_t Stream::Run(Entry& e, std::string* message) {
+  // See Note [Activity tracing]: e.trace is set only while tracing, so when it
+  // is off this costs one test of a field we already hold.
+  PendingActivity* const trace = e.trace;
+  const int64_t start = trace != nullptr ? NowNs() : 0;
+  int64_t end = 0;
+  bool ran = true;
+  kilnError_t result = kilnSuccess;
   switch (e.kind) {
     case EntryKind::kTask: {
-      kilnError_t result = kilnSuccess;
-      if (!ShouldSkip(e.seq) && RunTaskFn(e, message) != kilnSuccess) result = kilnErrorLaunchFailure;
+      ran = !ShouldSkip(e.seq);
+      if (ran && RunTaskFn(e, message) != kilnSuccess) result = kilnErrorLaunchFailure;
+      if (trace != nullptr) end = NowNs();  // the task's own time, not its release
       if (e.release != nullptr) e.release(e.user);
-      return result;
+      break;
     }
-    case EntryKind::kCopy: {
-      const bool skip = ShouldSkip(e.seq);
-      if (!skip) std::memmove(e.dst, e.src, e.count);
-      if (e.outcome != nullptr) *e.outcome = skip ? CopyOutcome::kSkipped : CopyOutcome::kDone;
+    case EntryKind::kCopy:
+      ran = !ShouldSkip(e.seq);
+      if (ran) std::memmove(e.dst, e.src, e.count);
+      if (trace != nullptr) end = NowNs();
+      if (e.outcome != nullptr) *e.outcome = ran ? CopyOutcome::kDone : CopyOutcome::kSkipped;
       std::free(e.staging);
-      return kilnSuccess;
-    }
+      break;
     case EntryKind::kMemset:
-      if (!ShouldSkip(e.seq)) std::memset(e.dst, e.value, e.count);
-      return kilnSuccess;
+      ran = !ShouldSkip(e.seq);
+      if (ran) std::memset(e.dst, e.value, e.count);
+      break;
     case EntryKind::kRecord:
+      // CompleteEventRecord publishes the event and the stream's progress
+      // itself; the activity record is written first, so whoever sees the
+      // event complete (or the stream idle) also finds the record, as for
+      // every other entry (the runner publishes completion after Run).
+      if (trace != nullptr) FinishTrace(trace, true, start, start);
       CompleteEventRecord(e.event, e.gen, this, e.seq);
       return kilnSuccess;
     case EntryKind::kWait:
       WaitEventGeneration(e.event, e.gen);
-      return kilnSuccess;
+      break;
   }
-  return kilnSuccess;
+  if (trace != nullptr) FinishTrace(trace, ran, start, end != 0 ? end : NowNs());
+  return result;
+}
+
+void Stream::FinishTrace(PendingActivity* trace, bool ran, int64_t start, int64_t end) {
+  Tracer& tracer = GetRuntime().tracer;
+  if (ran) {
+    tracer.Complete(trace, start, end);
+  } else {
+    tracer.Discard(trace);  // skipped after a sticky error: it never ran
+  }
 }
 
 void Stream::SetSticky(std::string message) {
@@ -487,8 +515,10 @@ KILN_API kilnError_t kilnStreamQuery(kilnStream_t stream) {
 
 KILN_API kilnError_t kilnStreamSynchronize(kilnStream_t stream) {
   return ApiCall("kilnStreamSynchronize", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnStreamSynchronize");
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    activity.SetStream(s);
     if (kilnError_t err = s->CheckNotSelf()) return err;
     s->WaitFor(s->submitted());
     return s->TakeStickyError();
@@ -501,6 +531,16 @@ KILN_API kilnError_t kilnStreamGetDevice(kilnStream_t stream, int* device) {
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
     *device = s->device();
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnStreamGetId(kilnStream_t stream, unsigned long long* streamId) {
+  return ApiCall("kilnStreamGetId", [&](Runtime& rt) {
+    if (streamId == nullptr) return Fail(kilnErrorInvalidValue, "streamId is NULL");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    *streamId = s->id();
     return kilnSuccess;
   });
 }
@@ -519,6 +559,7 @@ KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn, kilnTa
                                     void* userData, const char* name) {
   bool consumed = false;  // true once the entry (and so release) belongs to the stream
   const kilnError_t result = ApiCall("kilnLaunchTask", [&](Runtime& rt) {
+    kiln::ApiActivity activity(rt, "kilnLaunchTask");
     if (fn == nullptr) return Fail(kilnErrorInvalidValue, "fn is NULL (task %s)", name ? name : "unnamed");
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
@@ -528,7 +569,10 @@ KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn, kilnTa
     e.release = release;
     e.user = userData;
     e.name = name;
-    return s->Submit(e, nullptr, &consumed);
+    activity.Attach(e, s, kilnActivityKindTask, name);
+    const kilnError_t err = s->Submit(e, nullptr, &consumed);
+    if (!consumed) activity.Detach(e);
+    return err;
   });
   if (!consumed && release != nullptr) release(userData);
   return result;

@@ -19,6 +19,9 @@
  *               host function run by the stream's worker thread; it may read
  *               and write device memory directly (device pointers are host
  *               addresses there);
+ *   - tracing:  while activity tracing is on, every unit of device work and
+ *               the call that enqueued it leave a timed record for a
+ *               profiler (see "Activity tracing" below);
  *   - errors:   every call returns a status code; a failing task leaves a
  *               sticky error on its stream that the next synchronization or
  *               query of that stream returns, with the task's name and message.
@@ -27,7 +30,8 @@
  *
  * Conventions
  *   - All functions are thread-safe. No function throws (C linkage).
- *   - Sizes and counts are in bytes. Times are in milliseconds.
+ *   - Sizes and counts are in bytes. Times are in milliseconds, except the
+ *     activity records of the tracing API, which are in nanoseconds.
  *   - A NULL kilnStream_t means the default stream of the calling thread's
  *     current device, resolved at call time.
  *   - When a call fails, kilnGetLastErrorMessage() gives a sentence naming what
@@ -54,7 +58,8 @@
 extern "C" {
 #endif
 
-#define KILN_RUNTIME_VERSION 1
+/* 2: activity tracing (kilnActivity*) and kilnStreamGetId. */
+#define KILN_RUNTIME_VERSION 2
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -216,6 +221,12 @@ KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event,
 KILN_API kilnError_t kilnStreamGetDevice(kilnStream_t stream, int* device);
 KILN_API kilnError_t kilnStreamGetPriority(kilnStream_t stream, int* priority);
 
+/* A number naming the stream in activity records (kilnActivityRecord.streamId):
+ * unique among the streams of the process, never 0, and never reused, also not
+ * when a destroyed stream's handle is reused by kilnStreamCreate (CUDA's
+ * cudaStreamGetId). */
+KILN_API kilnError_t kilnStreamGetId(kilnStream_t stream, unsigned long long* streamId);
+
 /* A task: device work. Returns kilnSuccess, or an error code after describing
  * the failure with kilnTaskSetErrorMessage(). */
 typedef kilnError_t (*kilnTaskFn_t)(void* userData);
@@ -335,6 +346,146 @@ KILN_API kilnError_t kilnMemcpyPeerAsync(void* dst, int dstDevice,
  * `stream`. */
 KILN_API kilnError_t kilnMemsetAsync(void* devPtr, int value, size_t count,
                                     kilnStream_t stream);
+
+/* ------------------------------------------------------------------------ */
+/* Activity tracing                                                          */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * The device side of a profiler, in the spirit of CUPTI's activity API.
+ *
+ * While tracing is enabled, every unit of device work enqueued from then on —
+ * a task, a copy, a memset, an event record or wait — leaves one record with
+ * the times it started and ended on its stream, and every runtime call that
+ * enqueues work or waits for it (kilnLaunchTask, kilnMemcpy*, kilnMemsetAsync,
+ * kilnEventRecord, kilnStreamWaitEvent, kilnStreamSynchronize,
+ * kilnDeviceSynchronize, kilnEventSynchronize) leaves one record of kind
+ * kilnActivityKindApi with the time it spent on the calling host thread. A
+ * profiler collects them with kilnActivityGetRecords.
+ *
+ * Clock: every timestamp is in nanoseconds on the device clock, the clock that
+ * also stamps events (kilnEventElapsedTime is a difference of two of its
+ * readings) and that kilnActivityGetTimestamp reads. On the reference device
+ * it is the host's monotonic clock, not the wall clock: a profiler that puts
+ * device records on a host timeline samples both clocks to convert.
+ *
+ * Correlation: every such call gets a correlation id, unique in the process,
+ * shared by its Api record and the record of the work it enqueued (if any).
+ * A client links work to its own host-side operations by pushing external
+ * correlation ids on the thread that enqueues the work
+ * (kilnActivityPushExternalCorrelationId): every record carries the innermost
+ * id of each kind that the enqueueing thread had pushed at the time of the
+ * call (0 if none).
+ *
+ * Lifetime: records stay in the runtime until drained, at most maxRecords of
+ * them (kilnActivityEnable); past that, records are dropped and counted
+ * (kilnActivityGetDroppedCount). A record is written when its work finishes:
+ * work enqueued while tracing was enabled is recorded even if it finishes
+ * after kilnActivityDisable; work enqueued before kilnActivityEnable is never
+ * recorded. Work skipped because of a sticky stream error leaves no device
+ * record (its Api record remains). With KILN_LAUNCH_BLOCKING=1, work runs
+ * inside the enqueueing call and is recorded the same way.
+ *
+ * Cost: with tracing disabled, an enqueueing call pays one relaxed atomic
+ * load; nothing is allocated or timed.
+ */
+
+/* Largest name length in a record, including the terminating NUL. */
+#define KILN_ACTIVITY_NAME_MAX 128
+/* Records kept when kilnActivityEnable is given 0. */
+#define KILN_ACTIVITY_DEFAULT_MAX_RECORDS (1u << 20)
+
+typedef enum kilnActivityKind {
+  kilnActivityKindApi = 0,         /* a runtime call, on the calling host thread */
+  kilnActivityKindTask = 1,        /* kilnLaunchTask: the task's fn            */
+  kilnActivityKindMemcpyHtoD = 2,  /* host memory to device memory             */
+  kilnActivityKindMemcpyDtoH = 3,  /* device memory to host memory             */
+  kilnActivityKindMemcpyDtoD = 4,  /* within one device                        */
+  kilnActivityKindMemcpyPeer = 5,  /* between two devices                      */
+  kilnActivityKindMemcpyHtoH = 6,  /* host to host, ordered on a stream        */
+  kilnActivityKindMemset = 7,      /* kilnMemsetAsync                          */
+  kilnActivityKindEventRecord = 8, /* an event completed (start == end)        */
+  kilnActivityKindEventWait = 9    /* the stream waited for an event; start to
+                                      end is the time it was held              */
+} kilnActivityKind;
+
+typedef enum kilnExternalCorrelationKind {
+  kilnExternalCorrelationKindDefault = 0, /* e.g. the framework operator      */
+  kilnExternalCorrelationKindUser = 1     /* e.g. a user-annotated range      */
+} kilnExternalCorrelationKind;
+
+typedef struct kilnActivityRecord {
+  kilnActivityKind kind;
+  int device;                       /* the device of the stream (Api: of the
+                                       stream or device the call addressed,
+                                       -1 if none)                            */
+  unsigned long long streamId;      /* kilnStreamGetId of the stream; 0 for an
+                                       Api record that addressed no stream    */
+  unsigned long long correlationId; /* see Correlation above                  */
+  unsigned long long externalId;     /* innermost Default external id, or 0   */
+  unsigned long long userExternalId; /* innermost User external id, or 0      */
+  unsigned long long threadId;      /* OS thread id (gettid) of the thread that
+                                       made the call                          */
+  long long start;                  /* ns on the device clock                 */
+  long long end;                    /* ns on the device clock, >= start       */
+  size_t bytes;                     /* copies and memsets; 0 otherwise        */
+  int srcDevice;                    /* copies: source device, -1 for the host;
+                                       -1 for other kinds                     */
+  int dstDevice;                    /* copies and memsets: destination device,
+                                       -1 for the host; -1 for other kinds    */
+  char name[KILN_ACTIVITY_NAME_MAX]; /* NUL-terminated. Task: the launch's
+                                       name (truncated; "unnamed task" if
+                                       NULL). Api: the function, e.g.
+                                       "kilnLaunchTask". Others: CUDA-style,
+                                       e.g. "Memcpy HtoD (Pageable -> Device)",
+                                       "Memset (Device)", "Event Record"      */
+} kilnActivityRecord;
+
+/* Starts a new collection: discards records not yet drained (including those
+ * of work still in flight from an earlier collection), resets the dropped
+ * count, and records work enqueued from now on, keeping at most `maxRecords`
+ * undrained records (0: KILN_ACTIVITY_DEFAULT_MAX_RECORDS). Enabling while
+ * enabled starts a new collection the same way. */
+KILN_API kilnError_t kilnActivityEnable(size_t maxRecords);
+
+/* Stops recording work enqueued from now on. Work already enqueued while
+ * tracing was enabled still writes its record when it finishes. No-op when
+ * tracing is disabled. */
+KILN_API kilnError_t kilnActivityDisable(void);
+
+/* Blocks until every piece of work enqueued while tracing was enabled has
+ * finished and written its record (or been skipped), so that a following
+ * kilnActivityGetRecords sees them all. It does not synchronize in the CUDA
+ * sense: sticky errors are left to the streams. Fails with
+ * kilnErrorNotPermitted when called from a task (it could wait for the task
+ * itself). */
+KILN_API kilnError_t kilnActivityFlushAll(void);
+
+/* Moves up to `capacity` of the oldest undrained records into `records`, in
+ * the order they were written, and sets *count to how many. capacity 0 with
+ * records NULL just sets *count to the number available. */
+KILN_API kilnError_t kilnActivityGetRecords(kilnActivityRecord* records, size_t capacity,
+                                           size_t* count);
+
+/* Records dropped in the current collection because maxRecords undrained
+ * records were already kept. */
+KILN_API kilnError_t kilnActivityGetDroppedCount(size_t* dropped);
+
+/* Pushes `id` on the calling thread's stack of external correlation ids of
+ * `kind`; records of calls this thread makes until the matching pop carry it
+ * (if it is still the innermost). Works whether or not tracing is enabled.
+ * kilnErrorInvalidValue for an unknown kind. */
+KILN_API kilnError_t kilnActivityPushExternalCorrelationId(kilnExternalCorrelationKind kind,
+                                                          unsigned long long id);
+
+/* Pops the innermost id of `kind` pushed by the calling thread and stores it
+ * in *lastId (if not NULL). kilnErrorInvalidValue if the stack is empty. */
+KILN_API kilnError_t kilnActivityPopExternalCorrelationId(kilnExternalCorrelationKind kind,
+                                                         unsigned long long* lastId);
+
+/* The device clock now, in nanoseconds (the clock of activity records and
+ * event timestamps). */
+KILN_API kilnError_t kilnActivityGetTimestamp(long long* timestamp);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -158,6 +158,22 @@ KilnStream getStreamFromPool(int priority, DeviceIndex device) {
   return KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device), id));
 }
 
+std::optional<StreamId> streamIdOfRuntimeStream(DeviceIndex device, uint64_t runtime_id) {
+  if (device < 0 || device >= kMaxDevices) {
+    return std::nullopt;
+  }
+  auto& streams = deviceStreams(device);
+  for (int id = 0; id < kStreamsPerDevice; ++id) {
+    const kilnStream_t handle = streams.handles[static_cast<size_t>(id)].load(std::memory_order_acquire);
+    unsigned long long handle_id = 0;
+    if (handle != nullptr && kilnStreamGetId(handle, &handle_id) == kilnSuccess &&
+        handle_id == runtime_id) {
+      return static_cast<StreamId>(id);
+    }
+  }
+  return std::nullopt;
+}
+
 std::ostream& operator<<(std::ostream& out, const KilnStream& stream) {
   return out << stream.unwrap();
 }

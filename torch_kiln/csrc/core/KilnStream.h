@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <ostream>
 #include <utility>
 
@@ -78,6 +79,12 @@ KilnStream getCurrentKilnStream(DeviceIndex device = -1);
 void setCurrentKilnStream(KilnStream stream);
 // A stream from the device's pool, round-robin within a priority level.
 KilnStream getStreamFromPool(int priority = 0, DeviceIndex device = -1);
+
+// The id (c10::Stream::id()) of the stream of `device` whose runtime stream
+// has kilnStreamGetId `runtime_id`, or nullopt if the torch layer has not
+// created such a stream. The profiler names device tracks with it, so a trace
+// shows the stream ids Python sees (torch.Stream.stream_id).
+std::optional<StreamId> streamIdOfRuntimeStream(DeviceIndex device, uint64_t runtime_id);
 
 std::ostream& operator<<(std::ostream& out, const KilnStream& stream);
 

@@ -1,0 +1,330 @@
+"""torch.profiler on kiln: the device side (ProfilerActivity.PrivateUse1).
+
+Kernel tasks, copies and record_function ranges appear as kiln device events
+with their stream and device times, linked to the CPU ops that launched them,
+in key_averages() and in the chrome trace. See docs/profiling.md.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from conftest import assert_same, run_python
+
+ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+
+
+@pytest.fixture(autouse=True)
+def _warm_up():
+    """First calls of an op pay one-time costs (schema caches, worker thread
+    setup); run them before profiling so timings compare kernels."""
+    a = torch.randn(64, 64, device="kiln")
+    (a @ a + 1).sum().cpu()
+    torch.kiln.synchronize()
+
+
+def device_events(prof):
+    return [e for e in prof.events() if e.device_type == DeviceType.PrivateUse1]
+
+
+def cpu_ops(prof, name):
+    return [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name == name]
+
+
+def launching_op(prof, event):
+    """The CPU operator a device event is linked to (runtime calls such as
+    kilnLaunchTask share its id, so they are left out)."""
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CPU
+           and e.id == event.linked_correlation_id and not e.name.startswith("kiln")]
+    assert len(ops) == 1, (event.name, [o.name for o in ops])
+    return ops[0]
+
+
+def chrome_trace(prof, tmp_path):
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def test_kernel_tasks_are_kiln_device_events_with_stream_and_duration():
+    a = torch.randn(128, 128, device="kiln")
+    side = torch.kiln.Stream()
+    torch.kiln.synchronize()
+    with profile(activities=ACTIVITIES) as prof:
+        b = a @ a
+        side.wait_stream(torch.kiln.current_stream())
+        with torch.kiln.stream(side):
+            c = b.relu()
+        torch.kiln.synchronize()
+
+    kernels = {e.name: e for e in device_events(prof) if e.activity_type == "kernel"}
+    assert {"aten::mm", "aten::relu"} <= kernels.keys(), kernels.keys()
+    mm, relu = kernels["aten::mm"], kernels["aten::relu"]
+    assert mm.device_index == 0 and relu.device_index == 0
+    assert mm.device_resource_id == 0  # the default stream's torch stream id
+    assert relu.device_resource_id == side.stream_id != 0
+    for kernel in (mm, relu):
+        assert kernel.time_range.end > kernel.time_range.start
+    # In stream order: relu waited for mm (wait_stream).
+    assert relu.time_range.start >= mm.time_range.end
+    # Each kernel is linked to the CPU op that launched it.
+    assert launching_op(prof, mm).name == "aten::mm"
+    assert launching_op(prof, relu).name == "aten::relu"
+    assert_same(c, (a.cpu() @ a.cpu()).relu())
+
+
+def test_matmul_device_time_exceeds_a_tiny_add_in_key_averages():
+    a = torch.randn(512, 512, device="kiln")
+    t = torch.ones(4, device="kiln")
+    torch.kiln.synchronize()
+    with profile(activities=ACTIVITIES) as prof:
+        for _ in range(3):
+            a @ a
+            t + 1
+        torch.kiln.synchronize()
+
+    averages = prof.key_averages()
+    cpu_rows = {e.key: e for e in averages if e.device_type == DeviceType.CPU}
+    mm, add = cpu_rows["aten::mm"], cpu_rows["aten::add"]
+    # The self device time of an op row is the time of the kernels it launched.
+    kernels = {name: [e.time_range.elapsed_us() for e in device_events(prof) if e.name == name]
+               for name in ("aten::mm", "aten::add")}
+    assert len(kernels["aten::mm"]) == 3 and len(kernels["aten::add"]) == 3
+    assert mm.self_device_time_total == pytest.approx(sum(kernels["aten::mm"]), rel=1e-6)
+    assert add.self_device_time_total == pytest.approx(sum(kernels["aten::add"]), rel=1e-6)
+    assert 0 < add.self_device_time_total < mm.self_device_time_total
+    assert min(kernels["aten::add"]) < min(kernels["aten::mm"])
+    assert mm.device_time_total >= mm.self_device_time_total
+    table = averages.table(sort_by="device_time_total", row_limit=20)
+    assert "Self KILN" in table and "KILN total" in table
+    assert "aten::mm" in table and "kilnLaunchTask" in table
+
+
+def test_copies_appear_with_direction_bytes_and_their_op(tmp_path):
+    host = torch.arange(1 << 12, dtype=torch.float32)
+    pinned = torch.arange(1 << 12, dtype=torch.float32).pin_memory()
+    torch.kiln.synchronize()
+    with profile(activities=ACTIVITIES) as prof:
+        d0 = host.to("kiln")                           # pageable host -> device
+        d0p = pinned.to("kiln", non_blocking=True)     # pinned host -> device
+        d1 = d0.to("kiln:1")                           # device 0 -> device 1 (peer)
+        back = d1.cpu()                                # device -> pageable host
+        torch.kiln.synchronize(0)
+        torch.kiln.synchronize(1)
+
+    copies = [e for e in device_events(prof) if e.activity_type == "gpu_memcpy"]
+    names = sorted(e.name for e in copies)
+    assert names == sorted([
+        "Memcpy HtoD (Pageable -> Device)",
+        "Memcpy HtoD (Pinned -> Device)",
+        "Memcpy PtoP (Device -> Device)",
+        "Memcpy DtoH (Device -> Pageable)",
+    ]), names
+    by_name = {e.name: e for e in copies}
+    assert by_name["Memcpy DtoH (Device -> Pageable)"].device_index == 1
+    for copy in copies:
+        assert copy.time_range.end >= copy.time_range.start
+        assert copy.linked_correlation_id > 0
+    assert {launching_op(prof, e).name for e in copies} == {"aten::_copy_from"}
+    assert_same(back, host)
+    assert_same(d0p, pinned)
+
+    # The chrome trace keeps the byte counts.
+    traced = [e for e in chrome_trace(prof, tmp_path) if e.get("cat") == "gpu_memcpy"]
+    assert len(traced) == 4
+    assert all(e["args"]["bytes"] == host.numel() * host.element_size() for e in traced)
+
+
+def test_chrome_trace_has_one_track_per_kiln_stream_used(tmp_path):
+    a = torch.randn(64, 64, device="kiln")
+    a1 = torch.randn(64, 64, device="kiln:1")
+    s1 = torch.kiln.Stream()
+    s2 = torch.kiln.Stream()
+    assert len({0, s1.stream_id, s2.stream_id}) == 3
+    torch.kiln.synchronize(0)
+    torch.kiln.synchronize(1)
+    with profile(activities=ACTIVITIES) as prof:
+        a @ a
+        for s in (s1, s2):
+            s.wait_stream(torch.kiln.current_stream())
+            with torch.kiln.stream(s):
+                a.sin()
+        a1.cos()
+        torch.kiln.synchronize(0)
+        torch.kiln.synchronize(1)
+    events = chrome_trace(prof, tmp_path)
+
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+    tracks = {(e["pid"], e["tid"]) for e in work}
+    assert tracks == {(0, 0), (0, s1.stream_id), (0, s2.stream_id), (1, 0)}
+    for e in work:
+        assert e["args"]["device"] == e["pid"] and e["args"]["stream"] == e["tid"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and (e["pid"], e["tid"]) in tracks}
+    assert names == {
+        (0, 0): "kiln:0 stream 0 (default)",
+        (0, s1.stream_id): f"kiln:0 stream {s1.stream_id}",
+        (0, s2.stream_id): f"kiln:0 stream {s2.stream_id}",
+        (1, 0): "kiln:1 stream 0 (default)",
+    }
+    process_names = {e["pid"]: e["args"]["name"] for e in events
+                     if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert process_names[0] == "kiln"
+
+    # Launches and kernels are joined by flow arrows (ac2g): each kernel ends a
+    # flow that starts at its kilnLaunchTask on the launching CPU thread, and
+    # carries the External id of the op that launched it.
+    kernels = [e for e in work if e["cat"] == "kernel"]
+    starts = {e["id"]: e for e in events if e.get("cat") == "ac2g" and e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e.get("cat") == "ac2g" and e["ph"] == "f"}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "privateuse1_runtime" and e["name"] == "kilnLaunchTask"}
+    cpu_ops_by_id = {e["args"]["External id"]: e for e in events
+                     if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    for kernel in kernels:
+        correlation = kernel["args"]["correlation"]
+        launch = launches[correlation]
+        assert starts[correlation]["pid"] == launch["pid"] != kernel["pid"]
+        assert (ends[correlation]["pid"], ends[correlation]["tid"]) == (kernel["pid"], kernel["tid"])
+        op = cpu_ops_by_id[kernel["args"]["External id"]]
+        assert op["name"] == kernel["name"]  # e.g. aten::mm launched aten::mm's kernel
+        assert launch["args"]["External id"] == kernel["args"]["External id"]
+        assert launch["ts"] <= kernel["ts"]
+
+
+def test_record_function_ranges_appear_on_the_device_track(tmp_path):
+    a = torch.randn(256, 256, device="kiln")
+    torch.kiln.synchronize()
+    with profile(activities=ACTIVITIES) as prof:
+        a.exp()  # outside the range
+        with record_function("attention_block"):
+            b = a @ a
+            b.softmax(dim=-1)
+        torch.kiln.synchronize()
+    events = chrome_trace(prof, tmp_path)
+
+    ranges = [e for e in events if e.get("cat") == "gpu_user_annotation"]
+    assert [r["name"] for r in ranges] == ["attention_block"]
+    (device_range,) = ranges
+    assert (device_range["pid"], device_range["tid"]) == (0, 0)
+    kernels = {e["name"]: e for e in events if e.get("cat") == "kernel"}
+    inside = [kernels["aten::mm"], kernels["aten::_softmax"]]
+    first = min(k["ts"] for k in inside)
+    last = max(k["ts"] + k["dur"] for k in inside)
+    assert device_range["ts"] <= first and device_range["ts"] + device_range["dur"] >= last
+    outside = kernels["aten::exp"]
+    assert outside["ts"] + outside["dur"] <= device_range["ts"] + 0.01
+    # The CPU-side range is there too, and the device range names its id.
+    (cpu_range,) = [e for e in events if e.get("cat") == "user_annotation"
+                    and e["name"] == "attention_block"]
+    assert device_range["args"]["External id"] == cpu_range["args"]["External id"]
+    # In key_averages the device range is its own row; the CPU range's device
+    # time is that of the kernels inside it, not of the span on top.
+    averages = {(e.key, e.device_type): e for e in prof.key_averages()}
+    kernel_us = sum(k["dur"] for k in inside)
+    assert averages[("attention_block", DeviceType.CPU)].device_time_total == pytest.approx(
+        kernel_us, rel=1e-3, abs=0.01)
+    assert averages[("attention_block", DeviceType.PrivateUse1)].device_time_total >= kernel_us - 0.01
+
+
+def test_backward_kernels_are_linked_to_backward_ops():
+    w = torch.randn(64, 64, device="kiln", requires_grad=True)
+    x = torch.randn(32, 64, device="kiln")
+    torch.kiln.synchronize()
+    with profile(activities=ACTIVITIES) as prof:
+        (x @ w).square().sum().backward()
+        torch.kiln.synchronize()
+    # Backward ops run on autograd's kiln device thread; their launches are
+    # still attributed to them.
+    kernels = [e for e in device_events(prof) if e.activity_type == "kernel"]
+    assert kernels
+    launching_threads = {launching_op(prof, k).thread for k in kernels}
+    assert len(launching_threads) >= 2  # the Python thread and autograd's
+    mm_kernels = [k for k in kernels if k.name == "aten::mm"]
+    assert len(mm_kernels) >= 2  # forward, and the gradient of w
+    assert w.grad is not None
+    assert_same(w.grad, (x.cpu().t() @ (2 * (x.cpu() @ w.detach().cpu()))))
+
+
+def test_cpu_only_profile_records_no_device_activity():
+    a = torch.randn(64, 64, device="kiln")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        a @ a
+        torch.kiln.synchronize()
+    assert device_events(prof) == []
+    assert not [e for e in prof.events() if e.name == "kilnLaunchTask"]
+    assert cpu_ops(prof, "aten::mm")
+
+
+def test_profiling_does_not_change_results():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+
+    def step(device):
+        m = copy.deepcopy(model).to(device)
+        out = m(x.to(device))
+        loss = out.square().mean()
+        loss.backward()
+        grads = [p.grad.detach().cpu() for p in m.parameters()]
+        return out.detach().cpu(), grads
+
+    expected_out, expected_grads = step("cpu")
+    plain_out, plain_grads = step("kiln")
+    with profile(activities=ACTIVITIES, record_shapes=True) as prof:
+        with record_function("step"):
+            profiled_out, profiled_grads = step("kiln")
+    after_out, after_grads = step("kiln")
+    assert device_events(prof)  # it did profile the device
+    for out in (plain_out, profiled_out, after_out):
+        assert_same(out, expected_out)
+    for grads in (plain_grads, profiled_grads, after_grads):
+        for got, want in zip(grads, expected_grads):
+            assert_same(got, want)
+
+
+def test_scheduled_profiling_records_only_active_steps():
+    a = torch.randn(128, 128, device="kiln")
+    traces = []
+
+    def on_ready(prof):
+        traces.append([e.name for e in prof.events() if e.device_type == DeviceType.PrivateUse1])
+
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1)
+    with profile(activities=ACTIVITIES, schedule=schedule, on_trace_ready=on_ready) as prof:
+        for step in range(6):
+            with record_function(f"step{step}"):
+                a.add(step)
+            torch.kiln.synchronize()
+            prof.step()
+    assert len(traces) == 1
+    kernels = [name for name in traces[0] if name == "aten::add"]
+    assert len(kernels) == 2  # steps 2 and 3 only
+    ranges = sorted(name for name in traces[0] if name.startswith("step"))
+    assert ranges == ["step2", "step3"]
+
+
+def test_launch_blocking_mode_is_profiled_too():
+    # KILN_LAUNCH_BLOCKING=1 runs each task inside its launch; it is still
+    # recorded as device work, nested in its launch on the timeline.
+    code = """
+import torch
+from torch.profiler import profile, ProfilerActivity
+a = torch.randn(64, 64, device="kiln")
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+    (a @ a).cpu()
+kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.PrivateUse1
+           and e.name == "aten::mm"]
+launches = [e for e in prof.events() if e.name == "kilnLaunchTask"]
+assert len(kernels) == 1 and len(launches) == 1, (kernels, launches)
+k, l = kernels[0].time_range, launches[0].time_range
+assert l.start <= k.start and k.end <= l.end, (l.start, k.start, k.end, l.end)
+print("ok")
+"""
+    result = run_python(code, {"KILN_LAUNCH_BLOCKING": "1"})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
