@@ -2,13 +2,13 @@
 #   make demo   the main job: train two models on the kiln device
 #   make test   every test: runtime conformance (C API) and PyTorch-level tests
 # Both first install what is missing (Debian and Python packages, the build).
-# Other targets: deps, build, test-runtime, test-python, clean.
+# Other targets: deps, build, test-runtime, test-python, conformance, bench, clean.
 
 PYTHON ?= python3
 export PYTHON
 RUNTIME_BUILD := build/runtime-tests
 
-.PHONY: all deps build test test-runtime test-python demo clean
+.PHONY: all deps build test test-runtime test-python conformance demo bench clean
 
 all: build
 
@@ -31,12 +31,26 @@ test-python: build
 
 test: test-runtime test-python
 
+# PyTorch's OpInfo and ModuleInfo databases on kiln, every op, dtype and pass
+# (tests/conformance/); writes docs/conformance.md and runs/conformance.json.
+# Fails on a failure not in tests/conformance/known_failures.txt and on a
+# listed failure that now passes. `make test` runs its quick shard.
+conformance: build
+	@mkdir -p runs
+	$(PYTHON) tests/conformance/run.py --jobs 2 --json runs/conformance.json --report docs/conformance.md
+
 # The main job: the two training examples on the kiln device.
 demo: build
 	@mkdir -p runs
 	$(PYTHON) examples/train_fashion_mnist.py --device kiln --epochs 1 --json runs/fashion_mnist_kiln.json
 	$(PYTHON) examples/train_char_gpt.py --device kiln --max-steps 500 --json runs/char_gpt_kiln.json
 	@echo "Results: runs/fashion_mnist_kiln.json and runs/char_gpt_kiln.json"
+
+# Kiln next to PyTorch CPU, side by side, with issue 4's targets (bench/README.md).
+# About 2 minutes (4 on a busy machine); `$(PYTHON) bench/run.py --quick` about 30 s.
+bench: build
+	@mkdir -p runs
+	$(PYTHON) bench/run.py --json runs/bench.json
 
 clean:
 	rm -rf build runs

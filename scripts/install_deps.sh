@@ -33,6 +33,8 @@ pip_missing=()
 "$PYTHON" -c "import scikit_build_core" 2>/dev/null || pip_missing+=("scikit-build-core>=0.10")
 "$PYTHON" -c "import pytest" 2>/dev/null || pip_missing+=("pytest")
 "$PYTHON" -c "import numpy" 2>/dev/null || pip_missing+=("numpy")
+# torch.testing._internal (OpInfo, ModuleInfo: tests/conformance/) imports it.
+"$PYTHON" -c "import expecttest" 2>/dev/null || pip_missing+=("expecttest")
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "install_deps: installing Python packages: ${pip_missing[*]}"
   "$PYTHON" -m pip install --quiet "${pip_missing[@]}" "torch==2.13.0"

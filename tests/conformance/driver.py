@@ -37,6 +37,9 @@ from outcomes import FAILED, CaseResult
 WORKER = settings.HERE / "worker.py"
 STARTUP_RETRIES = 5
 STARTUP_RETRY_PAUSE_S = 30.0
+# Importing torch and instantiating the tests takes a while on a busy machine;
+# until a worker has sent its plan it gets at least this long.
+STARTUP_TIMEOUT_S = 600.0
 HEARTBEAT_S = 60.0
 
 
@@ -187,12 +190,14 @@ class Driver:
 
     def _watch(self, worker: Worker, now: float, live: dict[int, Worker]) -> None:
         silent = now - worker.last_event
-        if silent > self.case_timeout:
+        timeout = self.case_timeout if worker.planned else max(self.case_timeout,
+                                                                STARTUP_TIMEOUT_S)
+        if silent > timeout:
             self.echo(f"  w{worker.shard} silent for {silent:.0f} s: dumping its stacks to "
                       f"{worker.log_path} and killing it")
             worker.process.send_signal(signal.SIGUSR1)
             time.sleep(2.0)
-            self._fail_current(worker, f"hung: no progress for {self.case_timeout:.0f} s "
+            self._fail_current(worker, f"hung: no progress for {timeout:.0f} s "
                                        f"(stacks in the worker log)")
             self._retire(worker)
             self._restart(worker, live)

@@ -19,8 +19,9 @@ import torch
 from torch.testing._internal.common_modules import ModuleInfo, ModuleInput
 
 import settings
-from compare import Mismatch, assert_same
-from op_cases import KilnCall, run_both, seeded_call
+from compare import EXACT, Mismatch, Tolerance, assert_same
+from declared import declared_tolerance
+from calls import KilnCall, run_both, seeded_call
 from outcomes import (FAILED, PASSED, SKIPPED, CaseFailed, CaseResult, CaseSkipped, Emit,
                       describe_error, first_line)
 from transfer import copy_value, tensors_in
@@ -51,7 +52,7 @@ def differentiable(values: list[torch.Tensor]) -> list[int]:
 
 
 def module_case(module_info: ModuleInfo, module_input: ModuleInput, dtype: torch.dtype,
-                training: bool) -> None:
+                training: bool, tolerance: Tolerance = EXACT) -> None:
     """Forward then backward of one module input; raises on a difference."""
     forward = module_input.forward_input
     if forward is None:
@@ -64,7 +65,7 @@ def module_case(module_info: ModuleInfo, module_input: ModuleInput, dtype: torch
     try:
         cpu_out, kiln_out = run_both(lambda: seeded_call(cpu_module, *cpu_args, **cpu_kwargs),
                                      lambda: KilnCall()(kiln_module, *kiln_args, **kiln_kwargs))
-        assert_same(kiln_out, cpu_out, path="output")
+        assert_same(kiln_out, cpu_out, tolerance=tolerance, path="output")
         assert_same(dict(kiln_module.state_dict()), dict(cpu_module.state_dict()),
                     check_strides=False, path="state_dict")
     except (CaseFailed, Mismatch) as failure:
@@ -88,7 +89,7 @@ def module_case(module_info: ModuleInfo, module_input: ModuleInput, dtype: torch
                                         allow_unused=True),
             lambda: KilnCall()(torch.autograd.grad, [kiln_outs[i] for i in picked], kiln_wrt,
                                kiln_grads_out, allow_unused=True))
-        assert_same(list(kiln_grads), list(cpu_grads), path="grad")
+        assert_same(list(kiln_grads), list(cpu_grads), tolerance=tolerance, path="grad")
     except (CaseFailed, Mismatch) as failure:
         raise CaseFailed(f"backward: {failure}") from None
 
@@ -108,6 +109,7 @@ def run_module(module_info: ModuleInfo, dtype: torch.dtype, training: bool, *, q
                emit: Emit, begin: Callable[[str, str, str, int], None]) -> None:
     """Runs the modules pass over every input of one module, dtype and mode."""
     key, dname = module_key(module_info, training), settings.dtype_name(dtype)
+    tolerance = declared_tolerance(key, dname, "modules") or EXACT
     try:
         inputs = module_inputs(module_info, dtype, training, quick)
     except Exception as error:  # noqa: BLE001 - a database problem, not kiln's
@@ -118,7 +120,7 @@ def run_module(module_info: ModuleInfo, dtype: torch.dtype, training: bool, *, q
         begin(key, dname, "modules", index)
         result = CaseResult(key, dname, "modules", index, PASSED)
         try:
-            module_case(module_info, module_input, dtype, training)
+            module_case(module_info, module_input, dtype, training, tolerance)
         except CaseSkipped as skip:
             result.status, result.message = SKIPPED, first_line(str(skip))
         except (CaseFailed, Mismatch) as failure:

@@ -7,6 +7,7 @@ device with their layouts (see transfer.py), and run:
   output_process_fn_grad, then every input storage (no stray writes).
   The kiln call's synchronizations are recorded (torch.kiln.get_sync_ops()).
 - noncontiguous: forward on SampleInput.noncontiguous() copies.
+  (Samples: samples.py; calling both sides alike: calls.py.)
 - out: op(sample, out=...) with out tensors laid out like CPU's result
   (pre-filled with a sentinel) and with empty out tensors (resized by the
   op); the returned objects must be the out tensors where CPU's are.
@@ -22,25 +23,21 @@ asynchronous device errors surface in the case that caused them.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+from torch.testing._internal.opinfo.core import OpInfo
 
 import settings
+from calls import KilnCall, call_op, run_both, seeded_call
 from compare import EXACT, Mismatch, Tolerance, assert_same
 from declared import declared_skip, declared_tolerance
 from outcomes import (FAILED, PASSED, SKIPPED, CaseFailed, CaseResult, CaseSkipped, Emit,
                       describe_error, first_line)
-from transfer import DeviceSample, copy_value, placement, tensors_in
+from samples import PlacedSample, SampleSource, op_key
+from transfer import DeviceSample, copy_value, tensors_in
 
 DEVICE = settings.DEVICE
-
-
-def op_key(op: OpInfo) -> str:
-    """The op's name in reports and known_failures.txt: 'max.binary'."""
-    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
 
 
 def sentinel_for(dtype: torch.dtype) -> Any:
@@ -52,79 +49,12 @@ def sentinel_for(dtype: torch.dtype) -> Any:
     return 77
 
 
-def seeded_call(fn: Callable, *args, **kwargs) -> Any:
-    """fn(*args, **kwargs) after seeding CPU and kiln generators alike."""
-    torch.manual_seed(settings.SEED)
-    return fn(*args, **kwargs)
-
-
-class KilnCall:
-    """Runs a callable on kiln tensors, waits for the device, and records
-    which ops forced a synchronization while the callable ran."""
-
-    def __init__(self, track_sync: bool = False):
-        self.track_sync = track_sync
-        self.sync_ops: dict[str, int] = {}
-
-    def __call__(self, fn: Callable, *args, **kwargs) -> Any:
-        torch.kiln.synchronize()
-        if self.track_sync:
-            torch.kiln.clear_op_tracking()
-        try:
-            return seeded_call(fn, *args, **kwargs)
-        finally:
-            if self.track_sync:
-                self.sync_ops = dict(torch.kiln.get_sync_ops())
-            torch.kiln.synchronize()
-
-
-def run_both(cpu_fn: Callable[[], Any], kiln_fn: Callable[[], Any]) -> tuple[Any, Any]:
-    """Runs the CPU then the kiln side. CPU raising makes the case skipped
-    (the sample is invalid), provided kiln raises too."""
-    cpu_error = kiln_error = None
-    cpu_result = kiln_result = None
-    try:
-        cpu_result = cpu_fn()
-    except Exception as error:  # noqa: BLE001 - any CPU error marks the sample invalid
-        cpu_error = error
-    try:
-        kiln_result = kiln_fn()
-    except Exception as error:  # noqa: BLE001
-        kiln_error = error
-    if cpu_error is not None and kiln_error is not None:
-        raise CaseSkipped(f"CPU rejects the sample ({describe_error(cpu_error)}); kiln too")
-    if cpu_error is not None:
-        raise CaseFailed(f"kiln accepted a sample CPU rejects: {describe_error(cpu_error)}")
-    if kiln_error is not None:
-        raise CaseFailed(f"kiln raised {describe_error(kiln_error)}")
-    return cpu_result, kiln_result
-
-
-def call_op(fn: Callable, sample: SampleInput, **extra) -> Any:
-    return fn(sample.input, *sample.args, **sample.kwargs, **extra)
-
-
 def assert_storages_same(kiln: DeviceSample, cpu: DeviceSample, tolerance: Tolerance,
                          what: str) -> None:
     """Every storage the sample's tensors live in holds CPU's bytes."""
     for i, (k, c) in enumerate(zip(kiln.storages, cpu.storages)):
         assert_same(k, c, device_type=k.device.type, tolerance=tolerance,
                     path=f"{what} storage {i}")
-
-
-class PlacedSample:
-    """An OpInfo sample built on the CPU, with what of it stays on the CPU
-    when it is copied to kiln (see transfer.placement)."""
-
-    def __init__(self, sample: SampleInput, decisions: list[str] | None):
-        self.sample, self.decisions = sample, decisions
-
-    def on(self, device: str) -> DeviceSample:
-        """A fresh copy on `device` ("cpu" or kiln)."""
-        return DeviceSample(self.sample, device, self.decisions)
-
-    def summary(self) -> str:
-        return self.sample.summary()
 
 
 # ---------------------------------------------------------------- the passes
@@ -281,37 +211,6 @@ CASES: dict[str, Callable[[OpInfo, PlacedSample, Tolerance], Any]] = {
 }
 
 
-def _generate(op: OpInfo, device: str, dtype: torch.dtype, pass_name: str,
-              quick: bool) -> list[SampleInput]:
-    torch.manual_seed(settings.SEED)
-    requires_grad = pass_name == "backward"
-    if pass_name == "forward" and not quick:
-        samples = op.reference_inputs(device, dtype, requires_grad=requires_grad)
-    else:
-        samples = op.sample_inputs(device, dtype, requires_grad=requires_grad)
-    if quick:
-        samples = itertools.islice(samples, settings.QUICK_SAMPLES)
-    return list(samples)
-
-
-def samples_for(op: OpInfo, dtype: torch.dtype, pass_name: str, quick: bool) -> list[PlacedSample]:
-    """The samples of a pass, built on the CPU with a fixed seed (the full
-    forward pass uses reference_inputs, a superset of sample_inputs), and
-    built again on the meta device to learn what stays on the CPU."""
-    samples = _generate(op, "cpu", dtype, pass_name, quick)
-    try:
-        meta_samples = _generate(op, "meta", dtype, pass_name, quick)
-    except Exception:  # noqa: BLE001 - a sample function that needs values
-        meta_samples = []
-    if len(meta_samples) == len(samples):
-        decisions = [placement(s, m) for s, m in zip(samples, meta_samples)]
-    else:
-        decisions = [None] * len(samples)
-    if pass_name == "noncontiguous":
-        samples = [s.noncontiguous() for s in samples]
-    return [PlacedSample(s, d) for s, d in zip(samples, decisions)]
-
-
 def run_case(case: Callable, op: OpInfo, sample: PlacedSample, tolerance: Tolerance,
              result: CaseResult) -> None:
     """Runs one case and fills in `result`'s status and message."""
@@ -334,12 +233,13 @@ def run_op(op: OpInfo, dtype: torch.dtype, *, passes: Iterable[str], quick: bool
            emit: Emit, begin: Callable[[str, str, str, int], None]) -> None:
     """Runs every applicable pass over the samples of `op` in `dtype`."""
     key, dname = op_key(op), settings.dtype_name(dtype)
+    source = SampleSource(op, dtype, quick)
     for pass_name, not_applicable in applicable_passes(op, dtype, passes).items():
         if not_applicable:
             continue
         skip_reason = declared_skip(key, dname, pass_name)
         try:
-            samples = samples_for(op, dtype, pass_name, quick)
+            samples = source.for_pass(pass_name)
         except Exception as error:  # noqa: BLE001 - a database problem, not kiln's
             emit(CaseResult(key, dname, pass_name, 0, SKIPPED,
                             f"sample generation failed on CPU: {describe_error(error)}"))
@@ -356,14 +256,16 @@ def run_op(op: OpInfo, dtype: torch.dtype, *, passes: Iterable[str], quick: bool
             emit(result)
 
 
-def count_cases(op: OpInfo, dtype: torch.dtype, passes: Iterable[str], quick: bool) -> dict[str, int]:
+def count_cases(op: OpInfo, dtype: torch.dtype, passes: Iterable[str],
+                quick: bool) -> dict[str, int]:
     """pass -> number of cases run_op would run (for tests skipped whole)."""
     counts = {}
+    source = SampleSource(op, dtype, quick)
     for pass_name, not_applicable in applicable_passes(op, dtype, passes).items():
         if not_applicable:
             continue
         try:
-            counts[pass_name] = len(samples_for(op, dtype, pass_name, quick))
+            counts[pass_name] = len(source.for_pass(pass_name))
         except Exception:  # noqa: BLE001
             counts[pass_name] = 1
     return counts

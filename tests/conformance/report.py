@@ -28,11 +28,27 @@ DATA_DEPENDENT_OPS = {
     "aten::equal", "aten::is_nonzero", "aten::allclose", "aten::bincount",
     "aten::repeat_interleave.Tensor", "aten::repeat_interleave.self_Tensor",
     "aten::_assert_async", "aten::_assert_async.msg",
+    # Indexing with a boolean mask (nonzero inside).
+    "aten::index.Tensor", "aten::index.Tensor_out",
 }
+
+
+LAYOUT_CHECK_SUFFIX = " (layout check)"
 
 
 def is_data_dependent(aten_op: str) -> bool:
     return aten_op in DATA_DEPENDENT_OPS or aten_op.split(".")[0] in DATA_DEPENDENT_OPS
+
+
+def sync_verdict(aten_ops: collections.Counter) -> str:
+    """Why an op synchronized: 'yes' (data-dependent output), 'layout check'
+    (kiln verifying a meta kernel's layout on the first call with a given
+    input kind, once per process), or '**no**' (a sync to look at)."""
+    if all(is_data_dependent(a) for a in aten_ops):
+        return "yes"
+    if all(is_data_dependent(a) or a.endswith(LAYOUT_CHECK_SUFFIX) for a in aten_ops):
+        return "layout check"
+    return "**no**"
 
 
 def skip_category(message: str) -> str:
@@ -126,8 +142,11 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, command: str) -> str:
-    """docs/conformance.md."""
+def markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, command: str,
+             rebuilt_by: str | None = None) -> str:
+    """docs/conformance.md. `rebuilt_by`: the command that rebuilt it from
+    the records of the run `command` made."""
+    rebuilt = f" (this page rebuilt from its records by `{rebuilt_by}`)" if rebuilt_by else ""
     lines = [
         "# Kiln conformance: PyTorch's OpInfo and ModuleInfo databases",
         "",
@@ -139,7 +158,7 @@ def markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, command: str
         "",
         f"Generated {datetime.date.today().isoformat()} at commit {_git_commit()} by "
         f"`{command}` in {summary_data['runtime_s'] / 60:.1f} min "
-        f"({'quick' if summary_data['quick'] else 'full'} run).",
+        f"({'quick' if summary_data['quick'] else 'full'} run){rebuilt}.",
         "",
         "## Totals",
         "",
@@ -200,14 +219,17 @@ def _sync_section(tally: Tally) -> list[str]:
              f"{len(asynchronous)} ops ran every forward case asynchronously; "
              f"{len(synced)} forced a host-device synchronization in at least one case "
              "(`torch.kiln.get_sync_ops()` while the kiln call ran). A sync is expected only "
-             "where the output shape or value depends on data.", ""]
+             "where the output shape or value depends on data; \"layout check\" marks kiln "
+             "verifying a meta kernel's output layout against the CPU kernel on the first call "
+             "with a given kind of input (once per process, so a long program pays it once).",
+             ""]
     if synced:
         lines += ["| op | synced cases | ATen ops that synchronized | data-dependent? |",
                   "|---|---:|---|---|"]
         for op, r in sorted(synced.items()):
             names = ", ".join(f"`{a}`×{n}" for a, n in r.aten_ops.most_common())
-            expected = "yes" if all(is_data_dependent(a) for a in r.aten_ops) else "**no**"
-            lines.append(f"| `{op}` | {r.synced_cases} / {r.cases} | {names} | {expected} |")
+            lines.append(f"| `{op}` | {r.synced_cases} / {r.cases} | {names} | "
+                         f"{sync_verdict(r.aten_ops)} |")
     lines += ["", "<details><summary>Ops that ran asynchronously</summary>", "",
               ", ".join(f"`{op}`" for op in asynchronous), "", "</details>"]
     return lines

@@ -29,7 +29,7 @@ import time
 import known_failures
 import settings
 from driver import Driver, RunSpec
-from outcomes import FAILED
+from outcomes import FAILED, CaseResult
 from report import Tally, markdown, summary
 
 
@@ -41,9 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="write every case result here, one JSON line each")
     parser.add_argument("--quick", action="store_true",
                         help="float32 and int64, first samples, forward and backward")
-    parser.add_argument("--ops", help="comma-separated op keys or names (default: all)")
-    parser.add_argument("--modules", help="comma-separated module names (default: all "
-                        "unless --ops is given; 'none' for none)")
+    parser.add_argument("--ops", help="comma-separated op keys or names, 'all' (default) "
+                        "or 'none'")
+    parser.add_argument("--modules", help="comma-separated module names, 'all' or 'none' "
+                        "(default: all, or none when --ops is given)")
     parser.add_argument("--passes", help=f"comma-separated, among {','.join(settings.PASSES)}")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--case-timeout", type=float, default=settings.DEFAULT_CASE_TIMEOUT_S,
@@ -55,18 +56,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--update-known-failures", action="store_true",
                         help="rewrite the known-failures file to match this run")
     parser.add_argument("--quiet", action="store_true", help="no per-test progress lines")
+    parser.add_argument("--from-records", type=pathlib.Path,
+                        help="run nothing: rebuild the summary and report from a --records file")
     return parser.parse_args(argv)
+
+
+def _selection(text: str | None) -> list[str] | None:
+    """'all' or absent -> None (everything); 'none' -> []; else the names."""
+    if text is None or text == "all":
+        return None
+    if text == "none":
+        return []
+    return text.split(",")
 
 
 def run_spec(args: argparse.Namespace) -> RunSpec:
     """What to run, from the command line."""
-    ops = args.ops.split(",") if args.ops else None
-    if args.modules == "none":
-        modules: list[str] | None = []
-    elif args.modules:
-        modules = args.modules.split(",")
-    else:
-        modules = [] if ops is not None else None
+    ops = _selection(args.ops)
+    modules = _selection(args.modules)
+    if args.modules is None and ops is not None:
+        modules = []
     if args.passes:
         passes = args.passes.split(",")
         unknown = set(passes) - set(settings.PASSES)
@@ -102,26 +111,44 @@ def main(argv: list[str]) -> int:
                   f"#{result.index} (first in this group): {result.message}", flush=True)
 
     start = time.monotonic()
-    driver = Driver(spec, jobs=args.jobs, case_timeout=args.case_timeout, log_dir=args.log_dir,
-                    on_result=on_result,
-                    echo=(lambda _: None) if args.quiet else (lambda s: print(s, flush=True)))
-    driver.run()
-    runtime = time.monotonic() - start
+    harness_errors: list[str] = []
+    command = "python tests/conformance/run.py " + " ".join(shlex.quote(a) for a in argv)
+    recorded_runtime, recorded_command = None, None
+    if args.from_records:
+        with open(args.from_records) as lines:
+            for line in lines:
+                data = json.loads(line)
+                if "runtime_s" in data:  # the trailer a recorded run ends with
+                    recorded_runtime = data["runtime_s"]
+                    args.quick = data.get("quick", False)
+                    recorded_command = data.get("command")
+                else:
+                    on_result(CaseResult.from_json(data))
+    else:
+        driver = Driver(spec, jobs=args.jobs, case_timeout=args.case_timeout,
+                        log_dir=args.log_dir, on_result=on_result,
+                        echo=(lambda _: None) if args.quiet else (lambda s: print(s, flush=True)))
+        driver.run()
+        harness_errors = driver.harness_errors
+    runtime = recorded_runtime or time.monotonic() - start
     if records:
+        records.write(json.dumps({"runtime_s": runtime, "quick": args.quick,
+                                  "command": command}) + "\n")
         records.close()
 
     verdict = known_failures.judge(entries, tally.ledger)
     data = summary(tally, verdict, runtime_s=runtime, quick=args.quick)
-    command = "python tests/conformance/run.py " + " ".join(shlex.quote(a) for a in argv)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(markdown(tally, verdict, data, command=command.strip()))
+        args.report.write_text(markdown(
+            tally, verdict, data, command=(recorded_command or command).strip(),
+            rebuilt_by=command.strip() if args.from_records else None))
     if args.update_known_failures:
         known_failures.write(args.known_failures, known_failures.updated(entries, tally.ledger))
-    return print_verdict(data, verdict, driver.harness_errors)
+    return print_verdict(data, verdict, harness_errors)
 
 
 def print_verdict(data: dict, verdict: known_failures.Verdict, harness_errors: list[str]) -> int:

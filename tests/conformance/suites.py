@@ -17,6 +17,8 @@ the run this way:
   the decorator's reason;
 - `unittest.expectedFailure`: the cases run, and failing ones are reported
   as "xfailed" instead of "failed" (passing ones as passed).
+Random ops the database skips as non-deterministic run anyway: kiln's
+generator reproduces CPU's (see declared.py).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from torch.testing._internal.common_utils import TestCase
 from torch.testing._internal.opinfo.core import OpInfo
 
 import settings
+from declared import runs_despite_database_skip
 from module_cases import count_module_cases, module_key, run_module
-from op_cases import count_cases, op_key, run_op
+from op_cases import count_cases, run_op
 from outcomes import FAILED, SKIPPED, XFAILED, CaseResult, Emit, first_line
+from samples import op_key
 
 
 @dataclass
@@ -99,6 +103,8 @@ class PlannedTest:
     key: str
     dtype: torch.dtype
     count_cases: Callable[[], dict[str, int]] = field(repr=False)
+    # Runs the test's cases outside unittest (for a database skip overridden).
+    run_cases: Callable[[Emit], None] = field(repr=False)
 
     @property
     def dtype_name(self) -> str:
@@ -115,39 +121,58 @@ def op_dtypes(op: OpInfo, quick: bool) -> list[torch.dtype]:
     return picked or supported[:1]
 
 
+def _plan_op_tests(op_list: list[OpInfo], run: TestRun, scope: dict[str, Any],
+                   device_type: str) -> list[PlannedTest]:
+    _define_test_common(op_list, scope)
+    test_class = next(v for k, v in scope.items() if k.startswith("TestCommon"))
+    planned = []
+    for op in op_list:
+        for dtype in op_dtypes(op, run.quick):
+            method = (f"test_compare_cpu_{op.formatted_name}_{device_type}_"
+                      f"{settings.dtype_name(dtype)}")
+            planned.append(PlannedTest(
+                test_class, method, op_key(op), dtype,
+                lambda op=op, dtype=dtype: count_cases(op, dtype, run.op_passes, run.quick),
+                lambda emit, op=op, dtype=dtype: run_op(
+                    op, dtype, passes=run.op_passes, quick=run.quick, emit=emit,
+                    begin=run.begin)))
+    return planned
+
+
+def _plan_module_tests(module_list: list[ModuleInfo], run: TestRun, scope: dict[str, Any],
+                       device_type: str) -> list[PlannedTest]:
+    _define_test_module(module_list, scope)
+    test_class = next(v for k, v in scope.items() if k.startswith("TestModule"))
+    dtypes = settings.MODULE_DTYPES[:1] if run.quick else settings.MODULE_DTYPES
+    planned = []
+    for info in module_list:
+        modes = (True, False) if info.train_and_eval_differ else (True,)
+        for training in modes:
+            suffix = (f"_{'train_mode' if training else 'eval_mode'}"
+                      if info.train_and_eval_differ else "")
+            for dtype in [d for d in dtypes if d in info.supported_dtypes("cpu")]:
+                method = (f"test_cpu_gpu_parity_{info.formatted_name}{suffix}_{device_type}_"
+                          f"{settings.dtype_name(dtype)}")
+                planned.append(PlannedTest(
+                    test_class, method, module_key(info, training), dtype,
+                    lambda i=info, d=dtype, t=training: {
+                        "modules": count_module_cases(i, d, t, run.quick)},
+                    lambda emit, i=info, d=dtype, t=training: run_module(
+                        i, d, t, quick=run.quick, emit=emit, begin=run.begin)))
+    return planned
+
+
 def plan_tests(op_list: list[OpInfo], module_list: list[ModuleInfo],
                run: TestRun) -> list[PlannedTest]:
     """Instantiates the kiln tests for these ops and modules, and lists the
-    ones this run executes, in op order then dtype order."""
+    ones this run executes: ops then modules, each in dtype order."""
     scope: dict[str, Any] = {}
     device_type = torch._C._get_privateuse1_backend_name()
     planned = []
     if op_list and run.op_passes:
-        _define_test_common(op_list, scope)
-        test_class = next(v for k, v in scope.items() if k.startswith("TestCommon"))
-        for op in op_list:
-            for dtype in op_dtypes(op, run.quick):
-                method = (f"test_compare_cpu_{op.formatted_name}_{device_type}_"
-                          f"{settings.dtype_name(dtype)}")
-                planned.append(PlannedTest(
-                    test_class, method, op_key(op), dtype,
-                    lambda op=op, dtype=dtype: count_cases(op, dtype, run.op_passes, run.quick)))
+        planned += _plan_op_tests(op_list, run, scope, device_type)
     if module_list and run.run_modules:
-        _define_test_module(module_list, scope)
-        test_class = next(v for k, v in scope.items() if k.startswith("TestModule"))
-        for info in module_list:
-            modes = (True, False) if info.train_and_eval_differ else (True,)
-            dtypes = settings.MODULE_DTYPES[:1] if run.quick else settings.MODULE_DTYPES
-            for training in modes:
-                for dtype in [d for d in dtypes if d in info.supported_dtypes("cpu")]:
-                    suffix = (f"_{'train_mode' if training else 'eval_mode'}"
-                              if info.train_and_eval_differ else "")
-                    method = (f"test_cpu_gpu_parity_{info.formatted_name}{suffix}_"
-                              f"{device_type}_{settings.dtype_name(dtype)}")
-                    planned.append(PlannedTest(
-                        test_class, method, module_key(info, training), dtype,
-                        lambda i=info, d=dtype, t=training: {
-                            "modules": count_module_cases(i, d, t, run.quick)}))
+        planned += _plan_module_tests(module_list, run, scope, device_type)
     for test in planned:
         if not hasattr(test.test_class, test.method):
             raise RuntimeError(f"harness bug: no instantiated test {test.method}")
@@ -185,7 +210,9 @@ def run_tests(planned: Iterable[PlannedTest], run: TestRun,
         started(test)
         result = _Result()
         test.test_class(test.method).run(result)
-        if result.skip_reason is not None:
+        if result.skip_reason is not None and runs_despite_database_skip(test.key):
+            test.run_cases(run.emit)
+        elif result.skip_reason is not None:
             for pass_name, count in test.count_cases().items():
                 run.emit(CaseResult(test.key, test.dtype_name, pass_name, 0, SKIPPED,
                                     f"database: {first_line(result.skip_reason)}", count=count))

@@ -85,8 +85,10 @@ class SampleCopier:
         self._leaf = 0
         self._storages: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
         self.storages: list[torch.Tensor] = []
-        # True once a device argument was redirected to `device`.
+        # True once a device argument was redirected to `device`; True once
+        # one naming the CPU was kept (the op then returns CPU tensors).
         self.mapped_device_arg = False
+        self.kept_cpu_device_arg = False
 
     def tensor(self, t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         """A copy of `t` on the device with t's sizes, strides, offset,
@@ -143,6 +145,8 @@ class SampleCopier:
         if follows:
             self.mapped_device_arg = True
             return self.device if isinstance(value, torch.device) else str(self.device)
+        if decision == KEEP and _names_device(value, "cpu"):
+            self.kept_cpu_device_arg = True
         return value
 
 
@@ -169,11 +173,14 @@ class DeviceSample:
         )
         self.storages = copier.storages
         self.tensors = sample_tensors(self.sample)
-        # Where results should be: a sample of Python scalars and CPU tensors
-        # only (no device tensor or argument) gives CPU tensors.
+        # Where results should be: CPU tensors for a sample that names the
+        # CPU explicitly (ones_like(x, device="cpu")) or has no device tensor
+        # or argument at all (Python scalars, CPU tensors), else the device.
         on_device = any(t.device.type == copier.device.type for t in self.tensors)
-        self.result_device_type = ("cpu" if not (on_device or copier.mapped_device_arg)
-                                   else copier.device.type)
+        if copier.kept_cpu_device_arg or not (on_device or copier.mapped_device_arg):
+            self.result_device_type = "cpu"
+        else:
+            self.result_device_type = copier.device.type
 
     def storage_index(self, t: torch.Tensor) -> int | None:
         """Which of `storages` tensor t lives in (None: none of them)."""

@@ -26,7 +26,7 @@ import signal
 import sys
 import warnings
 
-import settings  # noqa: F401 - first: puts nothing heavy in place, checks the path
+import settings
 
 
 def select(items, patterns: list[str] | None, key) -> list:
@@ -52,8 +52,7 @@ def main() -> None:
     from torch.testing._internal.common_methods_invocations import op_db
     from torch.testing._internal.common_modules import module_db
 
-    from module_cases import module_key
-    from op_cases import op_key
+    from samples import op_key
     from suites import TestRun, plan_tests, run_tests
 
     shard, shards = spec["shard"], spec["shards"]
@@ -67,7 +66,7 @@ def main() -> None:
         begin=lambda op, dtype, pass_name, i: send(
             {"e": "begin", "op": op, "dtype": dtype, "pass": pass_name, "i": i}),
     )
-    planned = plan_tests(op_list, module_list if spec["modules"] != [] else [], run)
+    planned = plan_tests(op_list, module_list, run)
     leave_out = set(spec.get("leave_out", []))
     planned = [t for t in planned if t.method not in leave_out]
     send({"e": "plan", "tests": [t.method for t in planned]})
