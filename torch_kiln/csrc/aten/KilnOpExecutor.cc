@@ -85,14 +85,15 @@ namespace at::kiln {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Which meta kernels disagree with CPU is not known in advance for every op
 // and input kind, so Kiln checks: the first call of an op with fresh outputs
-// (or with an empty out= tensor to resize) in each *layout class* (dtypes, ranks, memory formats and flags of its
-// arguments; not sizes, see LayoutCache::layoutClassOf) runs synchronously
-// and compares the CPU kernel's result layouts with the meta kernel's. If
-// they agree, later calls of that class trust the meta kernel and run
-// asynchronously; if not, each new argument signature of that class takes
-// its layouts from one synchronous CPU run. Training and inference loops meet
-// a handful of layout classes, so this costs a few synchronizations at the
-// start; they show in torch.kiln.get_sync_ops().
+// (or with an empty out= tensor to resize) in each *layout class* (dtypes,
+// ranks, memory formats, dimension orders and flags of its arguments; not
+// sizes, see LayoutCache::layoutClassOf) runs synchronously and compares
+// the CPU kernel's result layouts with the meta kernel's. If they agree,
+// later calls of that class trust the meta kernel and run asynchronously;
+// if not, each new argument signature of that class takes its layouts from
+// one synchronous CPU run. Training and inference loops meet a handful of
+// layout classes, so this costs a few synchronizations at the start; they
+// show in torch.kiln.get_sync_ops().
 //
 // Structured ops (add, mm, ...) never reach the executor as functional ops:
 // PyTorch's generated wrapper runs their C++ meta function, allocates through

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <unordered_map>
+#include <utility>
 
 #include <c10/util/hash.h>
 
@@ -235,6 +236,32 @@ int64_t memoryFormatClass(const at::Tensor& t) {
   return t.is_non_overlapping_and_dense() ? 2 : 3;
 }
 
+// The dimension order of a non-contiguous tensor, which decides the layout
+// TensorIterator gives fresh outputs (at::TensorIteratorBase::
+// reorder_dimensions sorts dimensions by stride, equal strides by size, and
+// skips size-1 and stride-0 ones): per dimension, -1 for size 1, -2 for
+// stride 0, else how many other such dimensions sort before it by
+// (stride, size). Two tensors with the same order get the same output order.
+void appendDimensionOrder(LayoutCache::Signature& sig, const at::Tensor& t) {
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  const auto ordered = [&](int64_t d) { return sizes[d] != 1 && strides[d] != 0; };
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (!ordered(d)) {
+      sig.push_back(sizes[d] == 1 ? -1 : -2);
+      continue;
+    }
+    int64_t before = 0;
+    for (int64_t e = 0; e < t.dim(); ++e) {
+      if (e != d && ordered(e) &&
+          std::make_pair(strides[e], sizes[e]) < std::make_pair(strides[d], sizes[d])) {
+        ++before;
+      }
+    }
+    sig.push_back(before);
+  }
+}
+
 void appendClass(LayoutCache::Signature& sig, const c10::IValue& value) {
   if (value.isTensor()) {
     const at::Tensor& t = value.toTensor();
@@ -244,6 +271,9 @@ void appendClass(LayoutCache::Signature& sig, const c10::IValue& value) {
       sig.push_back(t.dim() * 16 + memoryFormatClass(t) * 4 + (t.is_conj() ? 2 : 0) +
                     (t.is_neg() ? 1 : 0));
       sig.push_back(t.numel() == 0 ? 1 : 0);
+      if (!t.is_contiguous()) {
+        appendDimensionOrder(sig, t);
+      }
     }
   } else if (value.isList()) {
     sig.push_back(kList);

@@ -80,8 +80,9 @@ class LayoutCache {
 
   // Note [Verifying meta kernels]: whether the op's meta kernel gives CPU's
   // layouts, per *layout class*: the operator, and per argument the dtype,
-  // rank, memory-format class and bits of tensors and the value of bools,
-  // strings and dtypes (not sizes or other numbers).
+  // rank, memory-format class, dimension order (non-contiguous tensors) and
+  // bits of tensors and the value of bools, strings and dtypes (not sizes or
+  // other numbers).
   enum class MetaTrust : uint8_t { Unknown, Trusted, Untrusted };
   static std::optional<Signature> layoutClassOf(const OpSchemaInfo& info,
                                                 const torch::jit::Stack& stack, size_t first);
