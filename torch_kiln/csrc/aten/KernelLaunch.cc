@@ -355,7 +355,7 @@ kilnError_t KernelLaunch::runTask(void* self) {
   record->ran_ = true;
   std::string message;
   try {
-    prepareWorkerThread();
+    prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
     return kilnSuccess;
@@ -398,6 +398,7 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
   if (c10::kiln::anyFailedResults()) {
     propagateFailedResults();
   }
+  threads_ = issuingThreadCount();
   // On failure the runtime has already called releaseTask.
   inline_task_error = nullptr;
   const kilnError_t status = kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,

@@ -106,6 +106,7 @@ class KernelLaunch {
   uint32_t output_count_ = 0;
   bool cleared_ = true;
   bool ran_ = false;
+  int threads_ = 1; // Note [Intra-op threads of kiln kernels]
 };
 
 } // namespace at::kiln

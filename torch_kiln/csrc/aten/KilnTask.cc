@@ -13,12 +13,13 @@ namespace {
 
 struct TaskRecord {
   std::unique_ptr<TaskBody> body;
+  int threads; // Note [Intra-op threads of kiln kernels]
 };
 
 kilnError_t runTask(void* user_data) {
   auto* record = static_cast<TaskRecord*>(user_data);
   try {
-    prepareWorkerThread();
+    prepareWorkerThread(record->threads);
     c10::kiln::DeviceWarningCollector warnings;
     record->body->run();
     return kilnSuccess;
@@ -48,19 +49,26 @@ void releaseTask(void* user_data) {
 
 } // namespace
 
-void prepareWorkerThread() {
-  // Stream workers are plain threads: give them PyTorch's intra-op thread
-  // settings once, as PyTorch does for its own pool threads.
-  thread_local bool prepared = [] {
+int issuingThreadCount() {
+  return at::get_num_threads();
+}
+
+void prepareWorkerThread(int threads) {
+  // Stream workers are plain threads: ATen's lazy per-thread set-up first
+  // (as for PyTorch's own pool threads), then the issuing thread's count.
+  thread_local int current = [] {
     at::init_num_threads();
-    return true;
+    return at::get_num_threads();
   }();
-  (void)prepared;
+  if (threads != current && threads > 0) {
+    at::set_num_threads(threads);
+    current = threads;
+  }
 }
 
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body) {
-  auto* record = new TaskRecord{std::move(body)};
+  auto* record = new TaskRecord{std::move(body), issuingThreadCount()};
   KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, record, name));
 }
 

@@ -33,9 +33,23 @@ struct TaskBody {
   virtual std::string describe() const { return {}; }
 };
 
-// Gives a stream worker PyTorch's intra-op thread settings, once per thread;
-// every task that runs ATen kernels calls it first.
-void prepareWorkerThread();
+// Note [Intra-op threads of kiln kernels]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On CPU an op's kernel runs with the calling thread's intra-op thread count
+// (torch.set_num_threads). A kiln kernel runs on a stream worker instead, so
+// every task records the issuing thread's at::get_num_threads() when it is
+// launched, and the worker applies it before running the task, changing its
+// own OpenMP setting only when the count differs from the last task's. So
+// torch.set_num_threads(n) reaches kiln kernels issued after it, as it
+// reaches CPU kernels.
+
+// The intra-op thread count a task launched now should run with: the
+// calling thread's at::get_num_threads().
+int issuingThreadCount();
+
+// Gives the stream worker `threads` intra-op threads (once per change); every
+// task that runs ATen kernels calls it first.
+void prepareWorkerThread(int threads);
 
 // `name` must outlive the task (use a string literal or an operator name).
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
