@@ -5,6 +5,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -232,9 +233,14 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
   return *device;
 }
 
-bool hasEmptyTensor(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+// Whether an input (not an out= tensor, which composites pass empty) has no
+// elements.
+bool hasEmptyInput(const OpSchemaInfo& info, const Stack& stack, size_t first) {
   bool empty = false;
   for (size_t i = 0; i < info.arg_kinds.size() && !empty; ++i) {
+    if (info.arg_is_out[i]) {
+      continue;
+    }
     forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
       empty |= t.defined() && t.numel() == 0;
     });
@@ -390,6 +396,10 @@ at::Tensor freshLike(const TensorLayout& layout, c10::Device device) {
                            at::TensorOptions().dtype(layout.dtype).device(device));
 }
 
+// Part of the error ATen's Meta fallback kernel raises for an op without a
+// meta kernel (aten/src/ATen/core/MetaFallbackKernel.cpp).
+constexpr std::string_view kNoMetaKernelMessage = "no fake impl or Meta kernel registered";
+
 // Runs the meta kernel on meta images of the arguments; nullopt if it raised.
 // Warnings it emits are passed on, and make the outcome uncacheable.
 std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const OpSchemaInfo& info,
@@ -406,6 +416,15 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
   try {
     c10::WarningUtils::WarningHandlerGuard guard(&handler);
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+  } catch (const c10::NotImplementedError& e) {
+    // ATen's Meta fallback (MetaFallbackKernel.cpp) stands in for ops that
+    // have no meta kernel: their layouts come from CPU runs from now on,
+    // unless their output sizes may depend on data.
+    if (!info.has_dynamic_output_shape &&
+        std::string_view(e.what()).find(kNoMetaKernelMessage) != std::string_view::npos) {
+      const_cast<OpSchemaInfo&>(info).layouts_from_cpu.store(true);
+    }
+    return std::nullopt;
   } catch (const std::exception& e) {
     return std::nullopt;
   }
@@ -629,7 +648,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       "that needs it.");
 
   if (info.is_data_dependent ||
-      (info.checks_empty_inputs && hasEmptyTensor(info, *stack, first))) {
+      (info.checks_empty_inputs && hasEmptyInput(info, *stack, first))) {
     runSynchronously(op, info, stack, first, device);
     return;
   }
@@ -658,7 +677,10 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     if (!meta.has_value()) {
       // The meta kernel could not decide (or the inputs are invalid): run the
       // CPU kernel synchronously, which raises the CPU's own error if invalid.
-      runSynchronously(op, info, stack, first, device);
+      // If it turned out to be Meta's fallback (no meta kernel at all), the
+      // CPU run's layouts serve this signature from now on.
+      runSynchronously(op, info, stack, first, device,
+                       info.layouts_from_cpu.load(std::memory_order_relaxed) ? &probe : nullptr);
       return;
     }
     if (trust == LayoutCache::MetaTrust::Unknown) {

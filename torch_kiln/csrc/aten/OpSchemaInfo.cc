@@ -182,6 +182,7 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
     info->returns.push_back(r);
   }
   info->is_data_dependent = info->has_non_tensor_returns || isDataDependent(schema.name());
+  info->has_dynamic_output_shape = op.hasTag(at::Tag::dynamic_output_shape);
   info->has_meta_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta);
   info->has_cpu_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);
   info->accepts_host_indices = acceptsHostIndices(schema.name());

@@ -59,6 +59,11 @@ struct OpSchemaInfo {
   // Output sizes depend on tensor values (nonzero, masked_select, unique, ...)
   // or the op returns values read from device data (item, equal, ...).
   bool is_data_dependent = false;
+  // PyTorch tags the op dynamic_output_shape: some of its output sizes may
+  // depend on data (linalg_lstsq's residuals, index with boolean masks, ...).
+  // Without a meta kernel to tell, such an op's layouts are never learned
+  // from a CPU run.
+  bool has_dynamic_output_shape = false;
   // The CPU kernel rejects some empty inputs that the meta kernel accepts
   // (reductions such as max() of an empty tensor): with an empty tensor
   // argument the op runs synchronously, so the error is raised at the call.
