@@ -86,3 +86,23 @@ def test_many_training_steps_do_not_leak():
     torch.kiln.synchronize()
     assert torch.kiln.memory_allocated() == allocated
     assert torch.kiln.max_memory_reserved() <= 1.25 * torch.kiln.max_memory_allocated() + (1 << 20)
+
+
+def test_freed_block_is_split_for_smaller_requests_and_merged_back():
+    torch.kiln.synchronize()
+    torch.kiln.empty_cache()
+    big = torch.empty(8 << 20, dtype=torch.uint8, device="kiln")
+    reserved = torch.kiln.memory_reserved()
+    base = big.data_ptr()
+    del big
+    # Two smaller requests come out of the cached 8 MiB segment, back to back.
+    a = torch.empty(3 << 20, dtype=torch.uint8, device="kiln")
+    b = torch.empty(4 << 20, dtype=torch.uint8, device="kiln")
+    assert a.data_ptr() == base and b.data_ptr() == base + (3 << 20)
+    assert torch.kiln.memory_reserved() == reserved
+    assert torch.kiln.memory_stats()["inactive_split.all.current"] == 1  # the last 1 MiB
+    del a, b
+    # Merged again: the whole segment serves a request of its full size.
+    c = torch.empty(8 << 20, dtype=torch.uint8, device="kiln")
+    assert c.data_ptr() == base and torch.kiln.memory_reserved() == reserved
+    assert torch.kiln.memory_stats()["inactive_split.all.current"] == 0

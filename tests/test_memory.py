@@ -95,11 +95,28 @@ def test_out_of_memory_names_device_and_size_and_device_recovers():
     assert y.sum().item() == 90
 
 
-def test_out_of_memory_after_filling_the_device_frees_cache_and_retries():
+def test_large_miss_returns_smaller_free_segments_first():
     code = (
         "import torch\n"
         "a = torch.empty(60 << 20, dtype=torch.uint8, device='kiln')\n"
-        "del a  # cached, not released\n"
+        "del a  # cached, too small for the next request\n"
+        "b = torch.empty(70 << 20, dtype=torch.uint8, device='kiln')\n"
+        "s = torch.kiln.memory_stats()\n"
+        "print(s['num_alloc_retries'], s['num_device_free'], torch.kiln.memory_reserved() >> 20)\n"
+    )
+    from conftest import run_python
+    result = run_python(code, {"KILN_DEVICE_MEMORY": "1GiB"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1", "70"]
+
+
+def test_out_of_memory_after_filling_the_device_frees_cache_and_retries():
+    code = (
+        "import torch\n"
+        "side = torch.kiln.Stream()\n"
+        "with torch.kiln.stream(side):\n"
+        "    a = torch.empty(60 << 20, dtype=torch.uint8, device='kiln')\n"
+        "del a  # cached for the side stream, not released\n"
         "b = torch.empty(70 << 20, dtype=torch.uint8, device='kiln')  # needs the cache freed\n"
         "s = torch.kiln.memory_stats()\n"
         "print(s['num_alloc_retries'], s['num_ooms'])\n"

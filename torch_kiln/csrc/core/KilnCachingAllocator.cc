@@ -35,11 +35,26 @@ namespace c10::kiln::KilnCachingAllocator {
 //    (Tensor.record_stream), freeing it records an event on each of those
 //    streams; the block joins its free list only when all those events have
 //    completed (checked at each allocation, process_events).
-//  * Sizes. Requests are rounded up to 512 bytes (kMinBlockSize). Requests up
-//    to 1 MiB come from the small pool, larger ones from the large pool; a
-//    cached block is reused for a request if it is at most twice the rounded
-//    size (small) or at most a quarter larger (large). Blocks are never split,
-//    so every block is one runtime allocation ("segment").
+//  * Sizes, segments and splitting. Requests are rounded up to 512 bytes
+//    (kMinBlockSize). Requests up to 256 KiB come from the small pool, whose
+//    segments (runtime allocations) are 1 MiB; larger ones from the large
+//    pool, whose segments have the request's size. A request takes the
+//    smallest free block of its pool and stream that is large enough and
+//    splits off the rest as a free block when the rest is at least 512 bytes
+//    (small pool) or more than 256 KiB (large pool); a freed block merges
+//    with free neighbours of its segment. This is CUDA's design
+//    (c10/cuda/CUDACachingAllocator.cpp) with smaller sizes: CUDA's pools
+//    split at 1 MiB, with 2 MiB small segments and large ones rounded up to
+//    20 MiB, sized for GPUs' gigabytes; kiln's reference device lives in
+//    host RAM, and on the example CNN (13 MiB at peak) CUDA's sizes reserve
+//    1.6x the peak allocation, these 1.2x (bench/run.py, "memory").
+//  * A large request that finds no free block big enough first returns the
+//    stream's whole free large segments (all smaller than the request) to
+//    the runtime, so reserved memory follows the working set instead of
+//    keeping every size a program ever used. kilnFree waits for the device,
+//    so this costs a synchronization, while an allocation pattern settles
+//    (the first steps of a training loop); after that requests are served
+//    from the cache. Only whole free segments go back to the runtime.
 //  * Out of memory. If the runtime cannot allocate, all cached free blocks of
 //    the device are released and the allocation is retried once; if it fails
 //    again, torch.OutOfMemoryError names the device, the request, and what is
@@ -55,8 +70,10 @@ using c10::CachingAllocator::StatType;
 using c10::CachingAllocator::StatTypes;
 using c10::CachingDeviceAllocator::DeviceStats;
 
-constexpr size_t kMinBlockSize = 512;
-constexpr size_t kSmallSize = 1 << 20;
+constexpr size_t kMinBlockSize = 512;      // allocation granularity (bytes)
+constexpr size_t kSmallSize = 256 << 10;    // largest request of the small pool
+constexpr size_t kSmallSegment = 1 << 20;   // size of a small-pool segment
+constexpr size_t kMinLargeSplit = kSmallSize; // a large block splits if more is left
 constexpr int kMaxDevices = 64;
 
 struct Block {
@@ -67,6 +84,8 @@ struct Block {
   void* ptr = nullptr;
   bool allocated = false;
   bool is_small = false;
+  Block* prev = nullptr; // neighbours in the same segment (split blocks)
+  Block* next = nullptr;
   std::vector<StreamId> stream_uses; // other streams that used the block
   int pending_events = 0;
 };
@@ -119,10 +138,14 @@ class DeviceCache {
     const bool is_small = size <= kSmallSize;
     FreeList& pool = is_small ? small_free_ : large_free_;
 
-    Block* block = takeCached(pool, stream.id(), size, is_small);
+    Block* block = takeCached(pool, stream.id(), size);
     if (block == nullptr) {
-      block = allocateSegment(requested, size, is_small, stream);
+      if (!is_small) {
+        releaseSmallerSegments(stream.id(), size);
+      }
+      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream);
     }
+    splitIfLarger(block, size);
     clearFailedResult(block->ptr); // new contents (Note [Results of failed kernels])
     block->allocated = true;
     block->requested = requested;
@@ -219,8 +242,8 @@ class DeviceCache {
     f(stats_.oversize_segments);
   }
 
-  // Best fit among the stream's free blocks, within the reuse limit.
-  Block* takeCached(FreeList& pool, StreamId stream_id, size_t size, bool is_small) {
+  // Best fit among the stream's free blocks of the pool.
+  Block* takeCached(FreeList& pool, StreamId stream_id, size_t size) {
     Block key;
     key.stream_id = stream_id;
     key.size = size;
@@ -229,13 +252,81 @@ class DeviceCache {
     if (it == pool.end() || (*it)->stream_id != stream_id) {
       return nullptr;
     }
-    const size_t limit = is_small ? 2 * size : size + size / 4;
-    if ((*it)->size > limit) {
-      return nullptr;
-    }
     Block* block = *it;
-    pool.erase(it);
+    eraseFree(block);
     return block;
+  }
+
+  // Leaves `block` with `size` bytes and returns the rest, if large enough to
+  // be worth keeping apart, to the free list as a block of its own.
+  void splitIfLarger(Block* block, size_t size) {
+    const size_t rest = block->size - size;
+    if (rest < kMinBlockSize || (!block->is_small && rest <= kMinLargeSplit)) {
+      return;
+    }
+    auto* remaining = new Block();
+    remaining->device = block->device;
+    remaining->stream_id = block->stream_id;
+    remaining->size = rest;
+    remaining->ptr = static_cast<char*>(block->ptr) + size;
+    remaining->is_small = block->is_small;
+    remaining->prev = block;
+    remaining->next = block->next;
+    if (block->next != nullptr) {
+      block->next->prev = remaining;
+    }
+    block->next = remaining;
+    block->size = size;
+    insertFree(remaining);
+  }
+
+  static bool isSplit(const Block* block) {
+    return block->prev != nullptr || block->next != nullptr;
+  }
+
+  // A neighbour that may merge: neither allocated nor waiting for events
+  // (so it is in its free list).
+  static bool isFree(const Block* block) {
+    return block != nullptr && !block->allocated && block->pending_events == 0;
+  }
+
+  void insertFree(Block* block) {
+    (block->is_small ? small_free_ : large_free_).insert(block);
+    if (isSplit(block)) {
+      forEachPoolOf(block, [&](size_t t) {
+        stats_.inactive_split[t].increase(1);
+        stats_.inactive_split_bytes[t].increase(block->size);
+      });
+    }
+  }
+
+  void eraseFree(Block* block) {
+    (block->is_small ? small_free_ : large_free_).erase(block);
+    if (isSplit(block)) {
+      forEachPoolOf(block, [&](size_t t) {
+        stats_.inactive_split[t].decrease(1);
+        stats_.inactive_split_bytes[t].decrease(block->size);
+      });
+    }
+  }
+
+  // Absorbs the free neighbour `other` (block->prev or block->next).
+  void mergeInto(Block* block, Block* other) {
+    eraseFree(other);
+    if (other == block->prev) {
+      block->ptr = other->ptr;
+      block->prev = other->prev;
+      if (block->prev != nullptr) {
+        block->prev->next = block;
+      }
+    } else {
+      block->next = other->next;
+      if (block->next != nullptr) {
+        block->next->prev = block;
+      }
+    }
+    block->size += other->size;
+    delete other;
   }
 
   Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream) {
@@ -321,13 +412,20 @@ class DeviceCache {
         "use smaller batches, or raise the capacity with KILN_DEVICE_MEMORY (e.g. KILN_DEVICE_MEMORY=32GiB).");
   }
 
-  // A block no longer allocated and not waited on joins its free list.
+  // A block no longer allocated and not waited on joins its free list,
+  // merged with its free neighbours.
   void deactivate(Block* block) {
     forEachPoolOf(block, [&](size_t t) {
       stats_.active[t].decrease(1);
       stats_.active_bytes[t].decrease(block->size);
     });
-    (block->is_small ? small_free_ : large_free_).insert(block);
+    if (isFree(block->prev)) {
+      mergeInto(block, block->prev);
+    }
+    if (isFree(block->next)) {
+      mergeInto(block, block->next);
+    }
+    insertFree(block);
   }
 
   void processEvents() {
@@ -343,20 +441,56 @@ class DeviceCache {
     }
   }
 
+  // A large request found no free block big enough: the stream's whole free
+  // large segments are all smaller, and would stay reserved beside the new
+  // segment. Return them to the runtime first, so reserved memory tracks
+  // the working set (this waits for the device, like empty_cache; it happens
+  // while a program's allocation pattern settles, typically in its first
+  // steps).
+  void releaseSmallerSegments(StreamId stream_id, size_t size) {
+    std::vector<Block*> whole;
+    for (Block* block : large_free_) {
+      if (block->stream_id == stream_id && !isSplit(block) && block->size < size) {
+        whole.push_back(block);
+      }
+    }
+    if (whole.empty()) {
+      return;
+    }
+    stats_.num_sync_all_streams++;
+    for (Block* block : whole) {
+      large_free_.erase(block);
+      releaseSegment(block);
+    }
+  }
+
+  void releaseSegment(Block* block) {
+    KILN_CHECK(kilnFree(block->ptr)); // waits for the device (see runtime.h)
+    stats_.num_device_free++;
+    forEachPoolOf(block, [&](size_t t) {
+      stats_.segment[t].decrease(1);
+      stats_.reserved_bytes[t].decrease(block->size);
+    });
+    delete block;
+  }
+
+  // Returns the pool's whole free segments to the runtime (a segment with
+  // an allocated block stays).
   void releaseCached(FreeList& pool) {
-    if (!pool.empty()) {
-      stats_.num_sync_all_streams++;
+    bool released = false;
+    for (auto it = pool.begin(); it != pool.end();) {
+      Block* block = *it;
+      if (isSplit(block)) {
+        ++it;
+        continue;
+      }
+      if (!released) {
+        stats_.num_sync_all_streams++;
+        released = true;
+      }
+      it = pool.erase(it);
+      releaseSegment(block);
     }
-    for (Block* block : pool) {
-      KILN_CHECK(kilnFree(block->ptr)); // waits for the device (see runtime.h)
-      stats_.num_device_free++;
-      forEachPoolOf(block, [&](size_t t) {
-        stats_.segment[t].decrease(1);
-        stats_.reserved_bytes[t].decrease(block->size);
-      });
-      delete block;
-    }
-    pool.clear();
   }
 
   const DeviceIndex device_;
