@@ -62,6 +62,44 @@ def test_results_of_failed_kernels_cannot_be_read():
     assert x.sum().item() == 6.0
 
 
+def test_event_recorded_behind_a_failure_raises_it():
+    x = torch.arange(4.0, device="kiln")
+    host = torch.full((2,), -7.0).pin_memory()
+    torch.kiln._sleep(50)  # the failure happens after the copy below is queued
+    y = torch.index_select(x, 0, torch.tensor([1, 9], device="kiln"))
+    host.copy_(y, non_blocking=True)  # skipped: the values never arrive
+    event = torch.kiln.Event()
+    event.record()
+    with pytest.raises(RuntimeError, match="index_select"):
+        event.synchronize()
+    event.synchronize()  # raised once
+    torch.kiln.synchronize()  # the event took the stream's error
+    y2 = torch.index_select(x, 0, torch.tensor([7], device="kiln"))
+    generic = torch.Event(device="kiln")
+    generic.record()
+    with pytest.raises(RuntimeError, match="index_select"):
+        while not generic.query():
+            pass
+    del y2
+
+
+def test_other_stream_reading_a_failed_result_fails_too():
+    x = torch.arange(4.0, device="kiln")
+    torch.kiln._sleep(50)  # the failure happens after the side stream's kernel is queued
+    y = torch.index_select(x, 0, torch.tensor([9, 1], device="kiln"))
+    event = torch.kiln.Event()
+    event.record()
+    side = torch.kiln.Stream()
+    side.wait_event(event)
+    with torch.kiln.stream(side):
+        doubled = y * 2  # launched before the failure is known, runs after it
+    side.synchronize()  # the side stream's kernel did not fail: it had no input
+    with pytest.raises(RuntimeError, match="index_select"):
+        torch.kiln.synchronize()
+    with pytest.raises(RuntimeError, match="never computed.*index_select"):
+        doubled.sum().item()
+
+
 def test_launch_blocking_keeps_the_error_type():
     from conftest import run_python
     code = (

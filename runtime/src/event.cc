@@ -85,6 +85,19 @@ Snapshot Snap(Event* ev) {
                   ev->latest_gen != 0 && ev->IsPendingLocked(ev->latest_gen), ev->latest_time_ns};
 }
 
+// A completed event whose stream held a sticky error when the record ran
+// reports that error (once, as a stream synchronize would, which it then
+// clears): work the program waits for through the event was skipped.
+kilnError_t TakeFailureBehind(Event* ev) {
+  Stream* failed = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(ev->mu);
+    failed = ev->latest_failed_stream;
+    ev->latest_failed_stream = nullptr;
+  }
+  return failed != nullptr ? failed->TakeStickyError() : kilnSuccess;
+}
+
 }  // namespace
 
 void CompleteEventRecord(Event* ev, uint64_t gen, Stream* stream, uint64_t seq) {
@@ -94,7 +107,10 @@ void CompleteEventRecord(Event* ev, uint64_t gen, Stream* stream, uint64_t seq) 
     std::lock_guard<std::mutex> lock(ev->mu);
     stream->AdvanceCompleted(seq);  // before anyone can see the record done
     ev->pending.Remove(gen);
-    if (gen == ev->latest_gen) ev->latest_time_ns = now;
+    if (gen == ev->latest_gen) {
+      ev->latest_time_ns = now;
+      ev->latest_failed_stream = stream->HasStickyError() ? stream : nullptr;
+    }
     recycle = ShouldRecycleLocked(ev);
   }
   ev->cv.notify_all();  // events are never freed: safe after unlock
@@ -223,7 +239,8 @@ KILN_API kilnError_t kilnEventQuery(kilnEvent_t event) {
   return ApiCall("kilnEventQuery", [&](Runtime& rt) {
     Event* ev = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
-    return kiln::Snap(ev).pending ? kilnErrorNotReady : kilnSuccess;
+    if (kiln::Snap(ev).pending) return kilnErrorNotReady;
+    return kiln::TakeFailureBehind(ev);
   });
 }
 
@@ -251,7 +268,7 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
       return !ev->IsPendingLocked(gen);
     };
     if (!kiln::SpinUntil(done, kiln::kEventSpinNs)) kiln::WaitEventGeneration(ev, gen);
-    return kilnSuccess;
+    return kiln::TakeFailureBehind(ev);
   });
 }
 

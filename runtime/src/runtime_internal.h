@@ -456,6 +456,9 @@ struct Event {
   uint64_t next_gen = 0;    // last generation handed out; never reset
   uint64_t latest_gen = 0;  // most recent record by the current owner, 0 = none
   int64_t latest_time_ns = 0;  // steady_clock when the latest record completed
+  // The stream the latest record completed on, if that stream held a sticky
+  // error then (see Note [Sticky stream errors]); nullptr otherwise.
+  Stream* latest_failed_stream = nullptr;
   PendingRecords pending;
   bool pooled = true;  // on the pool's free list
 

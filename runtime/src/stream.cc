@@ -48,8 +48,9 @@
 // recorded on the failed stream is released instead of hanging forever.
 //
 // The error is reported once, by the next kilnStreamSynchronize,
-// kilnStreamQuery or kilnDeviceSynchronize, which also clears it so the stream
-// works again. Entries launched before the error was reported belong to the
+// kilnStreamQuery or kilnDeviceSynchronize, or kilnEventSynchronize or
+// kilnEventQuery of an event recorded behind the failure, which also clears
+// it so the stream works again. Entries launched before the error was reported belong to the
 // failed sequence and are skipped even if they run after it (a query can
 // report the error while some are still queued): reporting stores
 // skip_until_ = submitted_ before clearing sticky_code_ (release), and the

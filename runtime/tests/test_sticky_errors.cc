@@ -155,9 +155,9 @@ TEST(StickyErrors, EventRecordsOnAFailedStreamStillCompleteSoWaitersDoNotHang) {
   ASSERT_KILN_OK(kilnLaunchTask(waiter, CountingTask, CountRelease, &dependent, "consumer"));
   EXPECT_KILN_OK(kilnStreamSynchronize(waiter));  // must not hang
   EXPECT_EQ(dependent.ran.load(), 1);
-  EXPECT_KILN_OK(kilnEventSynchronize(e));
-  EXPECT_KILN_OK(kilnEventQuery(e));
   EXPECT_KILN_ERR(kilnStreamSynchronize(failed), kilnErrorLaunchFailure);
+  EXPECT_KILN_OK(kilnEventSynchronize(e)) << "the stream already reported the failure";
+  EXPECT_KILN_OK(kilnEventQuery(e));
   ASSERT_KILN_OK(kilnEventDestroy(e));
   ASSERT_KILN_OK(kilnStreamDestroy(failed));
   ASSERT_KILN_OK(kilnStreamDestroy(waiter));
@@ -192,4 +192,31 @@ TEST(StickyErrors, DestroyingAStreamReportsAnUnreportedError) {
   EXPECT_NE(LastMessage().find("orphan: boom"), std::string::npos) << LastMessage();
   EXPECT_KILN_ERR(kilnStreamQuery(s), kilnErrorInvalidResourceHandle) << "destroyed anyway";
   EXPECT_EQ(failing.released.load(), 1);
+}
+
+TEST(StickyErrors, EventRecordedBehindAFailureReportsItOnce) {
+  kilnStream_t s = nullptr;
+  kilnEvent_t synced = nullptr, queried = nullptr;
+  ASSERT_KILN_OK(kilnStreamCreate(&s));
+  ASSERT_KILN_OK(kilnEventCreate(&synced));
+  ASSERT_KILN_OK(kilnEventCreate(&queried));
+  Counters failing;
+  ASSERT_KILN_OK(kilnLaunchTask(s, FailingTask, CountRelease, &failing, "aten::index_select"));
+  ASSERT_KILN_OK(kilnEventRecord(synced, s));
+  EXPECT_KILN_ERR(kilnEventSynchronize(synced), kilnErrorLaunchFailure);
+  EXPECT_EQ(LastMessage(), "aten::index_select: boom: tensor of shape [2, 3] is not contiguous");
+  EXPECT_KILN_OK(kilnEventSynchronize(synced)) << "reported once";
+  EXPECT_KILN_OK(kilnStreamSynchronize(s)) << "the event took the stream's error";
+
+  ASSERT_KILN_OK(kilnLaunchTask(s, FailingTask, CountRelease, &failing, "aten::gather"));
+  ASSERT_KILN_OK(kilnEventRecord(queried, s));
+  kilnError_t q = kilnErrorNotReady;
+  while (q == kilnErrorNotReady) q = kilnEventQuery(queried);
+  EXPECT_EQ(q, kilnErrorLaunchFailure);
+  EXPECT_KILN_OK(kilnEventQuery(queried));
+  EXPECT_KILN_OK(kilnStreamSynchronize(s));
+
+  EXPECT_KILN_OK(kilnEventDestroy(synced));
+  EXPECT_KILN_OK(kilnEventDestroy(queried));
+  EXPECT_KILN_OK(kilnStreamDestroy(s));
 }

@@ -288,10 +288,13 @@ KILN_API kilnError_t kilnEventDestroy(kilnEvent_t event);
 KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream);
 
 /* kilnSuccess if the most recent record has completed (or the event was never
- * recorded), kilnErrorNotReady otherwise. */
+ * recorded), kilnErrorNotReady otherwise. If a task before the record failed,
+ * its stream's sticky error is returned instead (and cleared, as by
+ * kilnStreamSynchronize): the work the event stands for did not all run. */
 KILN_API kilnError_t kilnEventQuery(kilnEvent_t event);
 
-/* Blocks until the most recent record has completed. */
+/* Blocks until the most recent record has completed. Returns the sticky error
+ * of the record's stream, as kilnEventQuery does. */
 KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event);
 
 /* Milliseconds between the completions of `start` and `end` (may be negative

@@ -326,16 +326,22 @@ void KernelLaunch::markWrittenAsFailed(const std::string& reason) const {
   }
 }
 
+std::optional<std::string> KernelLaunch::firstFailedInput() const {
+  for (size_t i = 0; i < used_descriptors_; ++i) {
+    const TensorDescriptor& d = descriptors_[i];
+    if (d.defined && !d.written && !d.host_tensor.defined()) {
+      if (auto reason = c10::kiln::failedResultReason(d.data)) {
+        return reason;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 void KernelLaunch::propagateFailedResults() const {
   const std::string& name = info_->schema->name();
   const bool overwrites = name == "aten::fill_" || name == "aten::zero_" || name == "aten::copy_";
-  std::optional<std::string> invalid_input;
-  for (size_t i = 0; i < used_descriptors_ && !invalid_input; ++i) {
-    const TensorDescriptor& d = descriptors_[i];
-    if (d.defined && !d.written && !d.host_tensor.defined()) {
-      invalid_input = c10::kiln::failedResultReason(d.data);
-    }
-  }
+  const std::optional<std::string> invalid_input = firstFailedInput();
   if (invalid_input) {
     markWrittenAsFailed(*invalid_input);
     return;
@@ -355,6 +361,17 @@ kilnError_t KernelLaunch::runTask(void* self) {
   record->ran_ = true;
   std::string message;
   try {
+    // An input marked failed after this kernel was launched (by a kernel on
+    // another stream, ordered before this one by an event): the results
+    // would be computed from memory that holds none, so mark them instead,
+    // as the launch does for inputs marked by then (Note [Results of failed
+    // kernels]).
+    if (c10::kiln::anyFailedResults()) {
+      if (auto reason = record->firstFailedInput()) {
+        record->markWrittenAsFailed(*reason);
+        return kilnSuccess;
+      }
+    }
     prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
     record->run();

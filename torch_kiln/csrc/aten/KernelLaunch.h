@@ -92,6 +92,9 @@ class KernelLaunch {
   // At launch: an input without valid values makes the outputs invalid too;
   // a whole-storage overwrite (fill_, zero_, copy_) makes them valid again.
   void propagateFailedResults() const;
+  // The failure reason of the first input (a tensor the kernel reads but
+  // does not write) whose storage holds no valid result, if any.
+  std::optional<std::string> firstFailedInput() const;
   TensorDescriptor& nextDescriptor();
 
   static kilnError_t runTask(void* self);

@@ -13,7 +13,9 @@
 //   * a kernel that fails, or is skipped because an earlier one on its stream
 //     failed, marks the storages it writes (KernelLaunch);
 //   * a kernel launched with a marked input marks what it writes, so the mark
-//     follows the data (KernelLaunch::launch);
+//     follows the data (KernelLaunch::launch), and so does a kernel whose
+//     input is marked by the time it runs (a failure on another stream,
+//     ordered before it by an event); neither computes;
 //   * reading a marked storage back to the host (item(), .cpu(), printing,
 //     copies) raises a RuntimeError naming the original failure;
 //   * a storage's mark ends when its memory is allocated anew, or when it is
