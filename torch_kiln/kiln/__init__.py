@@ -194,6 +194,11 @@ def _sleep(milliseconds: float) -> None:
     _C._sleep(float(milliseconds))
 
 
+# Raised when a kiln allocation fails (torch.cuda.OutOfMemoryError is the
+# same class).
+OutOfMemoryError = torch.OutOfMemoryError
+
+
 def get_device_capability(device: Any = None) -> tuple[int, int]:
     """Kiln has no compute capability levels; (1, 0) for every device, so
     code that checks ``>= (x, y)`` for CUDA features can tell it apart."""
@@ -203,6 +208,7 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 __all__ = [
     "Event",
+    "OutOfMemoryError",
     "Stream",
     "StreamContext",
     "clear_op_tracking",

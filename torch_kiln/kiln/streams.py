@@ -66,12 +66,20 @@ class Event(torch.Event):
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         if interprocess:
             raise RuntimeError("Kiln events cannot be shared between processes (interprocess=True).")
-        return super().__new__(cls, device="kiln", enable_timing=enable_timing, blocking=blocking)
+        event = super().__new__(cls, device="kiln", enable_timing=enable_timing, blocking=blocking)
+        event._enable_timing = enable_timing
+        return event
 
     def elapsed_time(self, end_event: torch.Event) -> float:
         """Milliseconds between this event's and ``end_event``'s completions,
-        by the device clock. Both must have been recorded with
-        ``enable_timing=True``; raises ``RuntimeError`` otherwise."""
+        by the device clock. Raises ``RuntimeError`` (as ``torch.cuda.Event``
+        does) unless both events were created with ``enable_timing=True`` on
+        the same device and both have been recorded and completed."""
+        if not (self._enable_timing and getattr(end_event, "_enable_timing", False)):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.device != end_event.device:
+            raise RuntimeError(f"Both events must be on the same device; got {self.device} and "
+                             f"{end_event.device}.")
         return _C._event_elapsed_time(self.event_id, end_event.event_id)
 
 
