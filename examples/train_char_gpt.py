@@ -107,17 +107,25 @@ def sample(model, prompt: torch.Tensor, length: int, device) -> list[int]:
     return idx[0].tolist()
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main() -> None:
     default_device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=str(default_device))
-    parser.add_argument("--epochs", type=int, default=1, help="passes of --max-steps steps")
-    parser.add_argument("--max-steps", type=int, default=500, help="training steps per epoch")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--epochs", type=positive_int, default=1, help="passes of --max-steps steps")
+    parser.add_argument("--max-steps", type=positive_int, default=500, help="training steps per epoch")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--block-size", type=positive_int, default=64)
+    parser.add_argument("--width", type=positive_int, default=128)
+    parser.add_argument("--layers", type=positive_int, default=3)
+    parser.add_argument("--heads", type=positive_int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-length", type=int, default=200)
@@ -125,6 +133,8 @@ def main() -> None:
                         help="mixed precision: torch.autocast in this dtype (fp16 adds a GradScaler)")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     device = torch.device(args.device)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -136,6 +146,9 @@ def main() -> None:
     data = torch.tensor([encode[c] for c in text], dtype=torch.long)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
+    if args.block_size >= len(val_data):
+        parser.error(f"--block-size {args.block_size} must be below the validation text's "
+                     f"{len(val_data)} characters")
 
     torch.manual_seed(args.seed)
     model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads).to(device)

@@ -113,13 +113,21 @@ def evaluate(model, images, labels, device, batch_size=1000) -> float:
     return correct / len(images)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main() -> None:
     default_device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=str(default_device))
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--epochs", type=positive_int, default=1)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--data-dir", default=None)
@@ -132,6 +140,9 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     train_x, train_y, test_x, test_y = load(find_data_dir(args.data_dir))
+    if args.batch_size > len(train_x):
+        parser.error(f"--batch-size {args.batch_size} is larger than the {len(train_x)} "
+                     "training images")
     torch.manual_seed(args.seed)
     model = SmallCNN().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -52,6 +52,21 @@ def test_fashion_mnist_missing_data_is_a_clear_error(tmp_path):
     assert "train-images-idx3-ubyte.gz" in result.stderr
 
 
+@pytest.mark.parametrize("script,args,message", [
+    ("train_fashion_mnist.py", ["--batch-size", "0"], "must be a positive integer, got 0"),
+    ("train_fashion_mnist.py", ["--batch-size", "100000"], "larger than the 60000 training images"),
+    ("train_fashion_mnist.py", ["--max-steps", "-3"], "must be a positive integer, got -3"),
+    ("train_char_gpt.py", ["--epochs", "0"], "must be a positive integer, got 0"),
+    ("train_char_gpt.py", ["--width", "130"], "must be a multiple of --heads 4"),
+    ("train_char_gpt.py", ["--block-size", "200000"], "must be below the validation text"),
+])
+def test_examples_reject_bad_flags(script, args, message):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+
+
 def test_char_gpt_first_100_steps_match_cpu(tmp_path):
     kiln, _ = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", "100",
                           "--sample-length", "20")
