@@ -194,16 +194,7 @@ class DeviceCache {
 
   void emptyCache() {
     std::lock_guard<std::mutex> lock(mutex_);
-    // Blocks waiting for other streams: wait, then cache them, then release.
-    for (auto& [event, block] : pending_) {
-      event.synchronize();
-      if (--block->pending_events == 0) {
-        deactivate(block);
-      }
-    }
-    pending_.clear();
-    releaseCached(small_free_);
-    releaseCached(large_free_);
+    releaseAllCached();
   }
 
   DeviceStats stats() {
@@ -335,15 +326,7 @@ class DeviceCache {
     if (status == kilnErrorMemoryAllocation) {
       // Release the cache and retry once (Note [Kiln caching allocator]).
       stats_.num_alloc_retries++;
-      for (auto& [event, block] : pending_) {
-        event.synchronize();
-        if (--block->pending_events == 0) {
-          deactivate(block);
-        }
-      }
-      pending_.clear();
-      releaseCached(small_free_);
-      releaseCached(large_free_);
+      releaseAllCached();
       status = runtimeMalloc(&ptr, size);
     }
     if (status == kilnErrorMemoryAllocation) {
@@ -472,6 +455,20 @@ class DeviceCache {
       stats_.reserved_bytes[t].decrease(block->size);
     });
     delete block;
+  }
+
+  // Waits for the blocks held back by other streams' work (record_stream),
+  // caches them, then returns every whole free segment to the runtime.
+  void releaseAllCached() {
+    for (auto& [event, block] : pending_) {
+      event.synchronize();
+      if (--block->pending_events == 0) {
+        deactivate(block);
+      }
+    }
+    pending_.clear();
+    releaseCached(small_free_);
+    releaseCached(large_free_);
   }
 
   // Returns the pool's whole free segments to the runtime (a segment with
