@@ -50,9 +50,10 @@
 // The error is reported once, by the next kilnStreamSynchronize,
 // kilnStreamQuery or kilnDeviceSynchronize, or kilnEventSynchronize or
 // kilnEventQuery of an event recorded behind the failure, which also clears
-// it so the stream works again. Entries launched before the error was reported belong to the
-// failed sequence and are skipped even if they run after it (a query can
-// report the error while some are still queued): reporting stores
+// it so the stream works again. Entries launched before the error was
+// reported belong to the failed sequence and are skipped even if they run
+// after it (a query can report the error while some are still queued):
+// reporting stores
 // skip_until_ = submitted_ before clearing sticky_code_ (release), and the
 // runner checks sticky_code_ (acquire) and then skip_until_. Only the first
 // failure is kept; later entries are skipped, so none can fail.

@@ -43,11 +43,12 @@ namespace c10::kiln::KilnCachingAllocator {
 //    splits off the rest as a free block when the rest is at least 512 bytes
 //    (small pool) or more than 256 KiB (large pool); a freed block merges
 //    with free neighbours of its segment. This is CUDA's design
-//    (c10/cuda/CUDACachingAllocator.cpp) with smaller sizes: CUDA's pools
-//    split at 1 MiB, with 2 MiB small segments and large ones rounded up to
-//    20 MiB, sized for GPUs' gigabytes; kiln's reference device lives in
-//    host RAM, and on the example CNN (13 MiB at peak) CUDA's sizes reserve
-//    1.6x the peak allocation, these 1.2x (bench/run.py, "memory").
+//    (c10/cuda/CUDACachingAllocator.cpp) with smaller sizes: CUDA's small
+//    pool takes requests up to 1 MiB in 2 MiB segments and rounds large
+//    segments up to 20 MiB, sized for GPUs' gigabytes. Kiln's reference
+//    device lives in host RAM; on the example CNN (13 MiB at peak), a 1 MiB
+//    small-pool limit with 2 MiB segments reserved 1.3-1.5x the peak
+//    allocation, these sizes 1.17x (bench/run.py, group "memory").
 //  * A large request that finds no free block big enough first returns the
 //    stream's whole free large segments (all smaller than the request) to
 //    the runtime, so reserved memory follows the working set instead of
