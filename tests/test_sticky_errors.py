@@ -126,3 +126,14 @@ def test_unraised_error_is_reported_at_exit():
     )
     result = run_python(code)
     assert "error was never raised" in result.stderr and "index_select" in result.stderr
+
+
+def test_copy_to_another_device_of_a_failed_result_is_marked():
+    x = torch.arange(4.0, device="kiln")
+    torch.kiln._sleep(50)  # the failure happens after the copy below is queued
+    y = torch.index_select(x, 0, torch.tensor([9, 1], device="kiln"))
+    on_other_device = y.to("kiln:1")
+    with pytest.raises(RuntimeError, match="index_select"):
+        torch.kiln.synchronize()
+    with pytest.raises(RuntimeError, match="never computed.*copy from kiln:0 was skipped"):
+        on_other_device.cpu()

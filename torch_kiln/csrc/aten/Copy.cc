@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "aten/KernelLaunch.h"
+#include "aten/KilnTask.h"
 #include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
 #include "core/FailedResults.h"
@@ -173,6 +174,23 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
   }
 }
 
+// Runs right behind a peer copy on the source stream. If an earlier kernel
+// there failed, the runtime skips the copy and this task too; then the
+// destination never received the values, and is marked so (Note [Results of
+// failed kernels]) instead of being read later as if it had.
+struct PeerCopySkipMark final : TaskBody {
+  PeerCopySkipMark(const at::Tensor& target, const at::Tensor& src)
+      : target_data(target.storage().data()), source(src.device()) {}
+  void run() override {}
+  void skipped() override {
+    c10::kiln::markFailedResult(
+        target_data, "the copy from " + source.str() +
+                         " was skipped because an earlier kernel on its stream failed");
+  }
+  const void* target_data;
+  c10::Device source;
+};
+
 void copyBetweenKilnDevices(const at::Tensor& src, const at::Tensor& dst) {
   if (const auto reason = c10::kiln::failedResultReason(src.storage().data())) {
     c10::kiln::markFailedResult(dst.storage().data(), *reason); // the mark follows the data
@@ -203,6 +221,7 @@ void copyBetweenKilnDevices(const at::Tensor& src, const at::Tensor& dst) {
   checkSpanInStorage(target, bytes);
   KILN_CHECK(kilnMemcpyPeerAsync(target.data_ptr(), dst.device().index(), packed.const_data_ptr(),
                                  src.device().index(), bytes, src_stream.stream()));
+  launchTaskBody(src_stream, "peer copy check", std::make_unique<PeerCopySkipMark>(target, src));
   KilnEvent copy_done;
   copy_done.record(src_stream);
   copy_done.block(dst_stream);

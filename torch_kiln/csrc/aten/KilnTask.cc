@@ -14,10 +14,12 @@ namespace {
 struct TaskRecord {
   std::unique_ptr<TaskBody> body;
   int threads; // Note [Intra-op threads of kiln kernels]
+  bool ran = false;
 };
 
 kilnError_t runTask(void* user_data) {
   auto* record = static_cast<TaskRecord*>(user_data);
+  record->ran = true;
   try {
     prepareWorkerThread(record->threads);
     c10::kiln::DeviceWarningCollector warnings;
@@ -44,7 +46,11 @@ kilnError_t runTask(void* user_data) {
 }
 
 void releaseTask(void* user_data) {
-  delete static_cast<TaskRecord*>(user_data);
+  auto* record = static_cast<TaskRecord*>(user_data);
+  if (!record->ran) {
+    record->body->skipped();
+  }
+  delete record;
 }
 
 } // namespace

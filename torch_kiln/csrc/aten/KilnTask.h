@@ -31,6 +31,9 @@ struct TaskBody {
   virtual void run() = 0;
   // Extra context for an error message (e.g. the op's argument shapes).
   virtual std::string describe() const { return {}; }
+  // Called instead of run() when the task is skipped because an earlier
+  // task on its stream failed (Note [Sticky stream errors] in the runtime).
+  virtual void skipped() {}
 };
 
 // Note [Intra-op threads of kiln kernels]
