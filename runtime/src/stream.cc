@@ -27,10 +27,16 @@
 // that ran out of entries polls submitted_ for kWorkerSpinNs before it sleeps,
 // and a synchronising thread polls completed_ for kWaitSpinNs before it
 // sleeps (see SpinUntil: pause instructions for 2 us, then sched_yield so an
-// oversubscribed host still runs the thread we wait for). 20 us covers the
-// gap between two ops launched from Python's eager loop (5-20 us of
-// interpreter and dispatcher work each), so a busy stream does not sleep
-// between ops; an idle one stops burning its core after 20 us. A launch onto a sleeping worker notifies it after
+// oversubscribed host still runs the thread we wait for). A synchronising
+// thread spins 20 us, which covers a small op. A worker spins 500 us: long
+// enough for the program to synchronize, read a result and launch again
+// (eager loops do this every step), because waking a worker that slept is
+// slower still on a virtual machine, whose idle vCPU the hypervisor may have
+// descheduled. Measured with bench/run.py on the 2-core VM, `add` on 2^22
+// elements with a synchronize after every op took 1.07-1.19x CPU's time
+// with a 20 us worker spin and 0.97-1.13x with 500 us. An idle stream stops
+// polling after 500 us, and from 2 us on it yields its core to any thread
+// that is ready to run. A launch onto a sleeping worker notifies it after
 // releasing mu_ and only then (worker_sleeping_), so a launch onto a busy or
 // spinning stream makes no system call. The worker only takes mu_ to notify
 // when a waiter has announced itself in sync_waiters_; the announcement and
@@ -85,7 +91,7 @@ namespace {
 // kilnStreamGetId numbers; 0 is never handed out.
 std::atomic<uint64_t> g_next_stream_id{0};
 
-constexpr int64_t kWorkerSpinNs = 20'000;
+constexpr int64_t kWorkerSpinNs = 500'000;
 constexpr int64_t kWaitSpinNs = 20'000;
 constexpr size_t kInitialRing = 64;
 
