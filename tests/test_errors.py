@@ -50,3 +50,20 @@ def test_reading_past_a_shrunk_storage_is_a_clear_error():
     x.untyped_storage().resize_(4)
     with pytest.raises(RuntimeError, match="extend past its storage"):
         x.cpu()
+
+
+@pytest.mark.parametrize("reduction", [
+    lambda e: torch.max(e),
+    lambda e: torch.aminmax(e),
+    lambda e: torch.linalg.vector_norm(e, ord=float("inf")),
+])
+def test_reduction_of_an_empty_tensor_raises_at_the_call_without_a_sync(reduction):
+    empty = torch.empty(0, device="kiln")
+    torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    with pytest.raises(RuntimeError) as on_kiln:
+        reduction(empty)
+    with pytest.raises(RuntimeError) as on_cpu:
+        reduction(torch.empty(0))
+    assert str(on_kiln.value) == str(on_cpu.value)
+    assert torch.kiln.get_sync_ops() == {}

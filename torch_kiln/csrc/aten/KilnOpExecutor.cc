@@ -248,6 +248,63 @@ bool hasEmptyInput(const OpSchemaInfo& info, const Stack& stack, size_t first) {
   return empty;
 }
 
+// Host images of the arguments (fresh CPU tensors with each tensor's sizes,
+// strides and dtype; no generators; CPU for kiln devices), if every tensor
+// input other than out= tensors is empty, so the CPU kernel needs no values.
+std::optional<Stack> emptyHostImages(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  bool needs_values = false;
+  auto image = [&](const at::Tensor& t, bool is_out) -> at::Tensor {
+    if (!t.defined()) {
+      return t;
+    }
+    needs_values |= !is_out && t.numel() != 0;
+    return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  };
+  Stack images;
+  images.reserve(info.arg_kinds.size());
+  for (size_t i = 0; i < info.arg_kinds.size() && !needs_values; ++i) {
+    const c10::IValue& value = stack[first + i];
+    const bool is_out = info.arg_is_out[i];
+    switch (info.arg_kinds[i]) {
+      case ArgKind::Tensor:
+      case ArgKind::OptionalTensor:
+        images.emplace_back(value.isTensor() ? c10::IValue(image(value.toTensor(), is_out)) : value);
+        break;
+      case ArgKind::TensorList: {
+        c10::List<at::Tensor> list;
+        for (const c10::IValue& element : value.toListRef()) {
+          list.push_back(image(element.toTensor(), is_out));
+        }
+        images.emplace_back(std::move(list));
+        break;
+      }
+      case ArgKind::OptionalTensorList: {
+        c10::List<std::optional<at::Tensor>> list;
+        for (const c10::IValue& element : value.toListRef()) {
+          list.push_back(element.isTensor() ? std::optional<at::Tensor>(image(element.toTensor(), is_out))
+                                            : std::nullopt);
+        }
+        images.emplace_back(std::move(list));
+        break;
+      }
+      case ArgKind::Generator:
+        images.emplace_back();
+        break;
+      case ArgKind::Device:
+        images.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
+                                ? c10::IValue(c10::Device(c10::kCPU))
+                                : value);
+        break;
+      default:
+        images.push_back(value);
+    }
+  }
+  if (needs_values) {
+    return std::nullopt;
+  }
+  return images;
+}
+
 bool hasEmptyOutArgument(const OpSchemaInfo& info, const Stack& stack, size_t first) {
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_is_out[i] && stack[first + i].isTensor() && stack[first + i].toTensor().numel() == 0) {
@@ -647,10 +704,21 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       "ATen's CPU kernels and this operator has none. Please file an issue with the program "
       "that needs it.");
 
-  if (info.is_data_dependent ||
-      (info.checks_empty_inputs && hasEmptyInput(info, *stack, first))) {
+  if (info.is_data_dependent) {
     runSynchronously(op, info, stack, first, device);
     return;
+  }
+  if (info.checks_empty_inputs && hasEmptyInput(info, *stack, first)) {
+    // The CPU kernel may reject the empty input where the meta kernel would
+    // not. With every input empty, the kernel needs no values: running it on
+    // host images raises CPU's error at the call without waiting for the
+    // device. Otherwise run the op synchronously.
+    std::optional<Stack> images = emptyHostImages(info, *stack, first);
+    if (!images.has_value()) {
+      runSynchronously(op, info, stack, first, device);
+      return;
+    }
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &*images);
   }
 
   // Step 2: layouts, from the layout cache or the meta kernel.
