@@ -36,8 +36,23 @@ DATA_DEPENDENT_OPS = {
 LAYOUT_CHECK_SUFFIX = " (layout check)"
 
 
+def _tagged_data_dependent(aten_op: str) -> bool:
+    """Whether PyTorch tags the overload dynamic_output_shape or
+    data_dependent_output (torch/_C/_tags: its output shape or value depends
+    on tensor data, e.g. linalg_lstsq's residuals)."""
+    namespace, _, rest = aten_op.partition("::")
+    base, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), base)
+        tags = getattr(packet, overload or "default").tags
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+
+
 def is_data_dependent(aten_op: str) -> bool:
-    return aten_op in DATA_DEPENDENT_OPS or aten_op.split(".")[0] in DATA_DEPENDENT_OPS
+    return (aten_op in DATA_DEPENDENT_OPS or aten_op.split(".")[0] in DATA_DEPENDENT_OPS
+            or _tagged_data_dependent(aten_op))
 
 
 def sync_verdict(aten_ops: collections.Counter) -> str:
