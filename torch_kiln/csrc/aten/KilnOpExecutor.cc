@@ -248,63 +248,6 @@ bool hasEmptyInput(const OpSchemaInfo& info, const Stack& stack, size_t first) {
   return empty;
 }
 
-// Host images of the arguments (fresh CPU tensors with each tensor's sizes,
-// strides and dtype; no generators; CPU for kiln devices), if every tensor
-// input other than out= tensors is empty, so the CPU kernel needs no values.
-std::optional<Stack> emptyHostImages(const OpSchemaInfo& info, const Stack& stack, size_t first) {
-  bool needs_values = false;
-  auto image = [&](const at::Tensor& t, bool is_out) -> at::Tensor {
-    if (!t.defined()) {
-      return t;
-    }
-    needs_values |= !is_out && t.numel() != 0;
-    return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
-  };
-  Stack images;
-  images.reserve(info.arg_kinds.size());
-  for (size_t i = 0; i < info.arg_kinds.size() && !needs_values; ++i) {
-    const c10::IValue& value = stack[first + i];
-    const bool is_out = info.arg_is_out[i];
-    switch (info.arg_kinds[i]) {
-      case ArgKind::Tensor:
-      case ArgKind::OptionalTensor:
-        images.emplace_back(value.isTensor() ? c10::IValue(image(value.toTensor(), is_out)) : value);
-        break;
-      case ArgKind::TensorList: {
-        c10::List<at::Tensor> list;
-        for (const c10::IValue& element : value.toListRef()) {
-          list.push_back(image(element.toTensor(), is_out));
-        }
-        images.emplace_back(std::move(list));
-        break;
-      }
-      case ArgKind::OptionalTensorList: {
-        c10::List<std::optional<at::Tensor>> list;
-        for (const c10::IValue& element : value.toListRef()) {
-          list.push_back(element.isTensor() ? std::optional<at::Tensor>(image(element.toTensor(), is_out))
-                                            : std::nullopt);
-        }
-        images.emplace_back(std::move(list));
-        break;
-      }
-      case ArgKind::Generator:
-        images.emplace_back();
-        break;
-      case ArgKind::Device:
-        images.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
-                                ? c10::IValue(c10::Device(c10::kCPU))
-                                : value);
-        break;
-      default:
-        images.push_back(value);
-    }
-  }
-  if (needs_values) {
-    return std::nullopt;
-  }
-  return images;
-}
-
 bool hasEmptyOutArgument(const OpSchemaInfo& info, const Stack& stack, size_t first) {
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_is_out[i] && stack[first + i].isTensor() && stack[first + i].toTensor().numel() == 0) {
@@ -316,16 +259,18 @@ bool hasEmptyOutArgument(const OpSchemaInfo& info, const Stack& stack, size_t fi
 
 // ---------------------------------------------------------------- aliases
 
-// Replaces the tensors in `value` by stand-ins from `aliaser`.
-c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& aliaser) {
+// `value` (an argument of kind `kind`) with every tensor in it replaced by
+// f(tensor), lists and optionals kept as they are.
+template <typename F>
+c10::IValue mapTensors(const c10::IValue& value, ArgKind kind, F&& f) {
   switch (kind) {
     case ArgKind::Tensor:
     case ArgKind::OptionalTensor:
-      return value.isTensor() ? c10::IValue(aliaser.alias(value.toTensor())) : value;
+      return value.isTensor() ? c10::IValue(f(value.toTensor())) : value;
     case ArgKind::TensorList: {
       std::vector<at::Tensor> tensors;
       for (const c10::IValue& element : value.toListRef()) {
-        tensors.push_back(aliaser.alias(element.toTensor()));
+        tensors.push_back(f(element.toTensor()));
       }
       return c10::IValue(c10::List<at::Tensor>(tensors));
     }
@@ -333,7 +278,7 @@ c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& al
       std::vector<std::optional<at::Tensor>> tensors;
       for (const c10::IValue& element : value.toListRef()) {
         if (element.isTensor()) {
-          tensors.emplace_back(aliaser.alias(element.toTensor()));
+          tensors.emplace_back(f(element.toTensor()));
         } else {
           tensors.emplace_back(std::nullopt);
         }
@@ -343,6 +288,11 @@ c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& al
     default:
       return value;
   }
+}
+
+// Replaces the tensors in `value` by stand-ins from `aliaser`.
+c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& aliaser) {
+  return mapTensors(value, kind, [&](const at::Tensor& t) { return aliaser.alias(t); });
 }
 
 // Host-side copies of user-visible CPU scalar tensors, so a task never reads
@@ -391,9 +341,12 @@ Stack hostArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
   return args;
 }
 
-// Meta arguments: meta images of tensors, no generators, meta devices.
-Stack metaArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
-                    TensorAliaser& aliaser) {
+// Arguments for running the op elsewhere: every tensor replaced by
+// image(tensor, is_out_argument), no generators, kiln devices replaced by
+// `device_type`.
+template <typename F>
+Stack argumentImages(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                     c10::DeviceType device_type, F&& image) {
   Stack args;
   const size_t num_args = info.arg_kinds.size();
   args.reserve(num_args);
@@ -405,14 +358,42 @@ Stack metaArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
         break;
       case ArgKind::Device:
         args.emplace_back(value.isDevice() && value.toDevice().is_privateuseone()
-                              ? c10::IValue(c10::Device(c10::kMeta))
+                              ? c10::IValue(c10::Device(device_type))
                               : value);
         break;
       default:
-        args.push_back(aliasValue(value, info.arg_kinds[i], aliaser));
+        args.push_back(mapTensors(value, info.arg_kinds[i], [&](const at::Tensor& t) {
+          return image(t, static_cast<bool>(info.arg_is_out[i]));
+        }));
     }
   }
   return args;
+}
+
+// Meta arguments: meta images of tensors, no generators, meta devices.
+Stack metaArguments(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                    TensorAliaser& aliaser) {
+  return argumentImages(info, stack, first, c10::kMeta,
+                        [&](const at::Tensor& t, bool) { return aliaser.alias(t); });
+}
+
+// Host images of the arguments (fresh CPU tensors with each tensor's sizes,
+// strides and dtype), if every tensor input other than out= tensors is
+// empty, so the CPU kernel needs no values.
+std::optional<Stack> emptyHostImages(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  bool needs_values = false;
+  Stack images = argumentImages(info, stack, first, c10::kCPU,
+                                [&](const at::Tensor& t, bool is_out) -> at::Tensor {
+    if (!t.defined()) {
+      return t;
+    }
+    needs_values |= !is_out && t.numel() != 0;
+    return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  });
+  if (needs_values) {
+    return std::nullopt;
+  }
+  return images;
 }
 
 // ---------------------------------------------------------------- outputs
