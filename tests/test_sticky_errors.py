@@ -65,8 +65,9 @@ def test_results_of_failed_kernels_cannot_be_read():
 def test_event_recorded_behind_a_failure_raises_it():
     x = torch.arange(4.0, device="kiln")
     host = torch.full((2,), -7.0).pin_memory()
+    index = torch.tensor([1, 9], device="kiln")  # a blocking copy: before the sleep
     torch.kiln._sleep(50)  # the failure happens after the copy below is queued
-    y = torch.index_select(x, 0, torch.tensor([1, 9], device="kiln"))
+    y = torch.index_select(x, 0, index)
     host.copy_(y, non_blocking=True)  # skipped: the values never arrive
     event = torch.kiln.Event()
     event.record()
@@ -85,8 +86,9 @@ def test_event_recorded_behind_a_failure_raises_it():
 
 def test_other_stream_reading_a_failed_result_fails_too():
     x = torch.arange(4.0, device="kiln")
+    index = torch.tensor([9, 1], device="kiln")  # a blocking copy: before the sleep
     torch.kiln._sleep(50)  # the failure happens after the side stream's kernel is queued
-    y = torch.index_select(x, 0, torch.tensor([9, 1], device="kiln"))
+    y = torch.index_select(x, 0, index)
     event = torch.kiln.Event()
     event.record()
     side = torch.kiln.Stream()
@@ -130,8 +132,9 @@ def test_unraised_error_is_reported_at_exit():
 
 def test_copy_to_another_device_of_a_failed_result_is_marked():
     x = torch.arange(4.0, device="kiln")
+    index = torch.tensor([9, 1], device="kiln")  # a blocking copy: before the sleep
     torch.kiln._sleep(50)  # the failure happens after the copy below is queued
-    y = torch.index_select(x, 0, torch.tensor([9, 1], device="kiln"))
+    y = torch.index_select(x, 0, index)
     on_other_device = y.to("kiln:1")
     with pytest.raises(RuntimeError, match="index_select"):
         torch.kiln.synchronize()

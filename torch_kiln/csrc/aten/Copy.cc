@@ -31,13 +31,21 @@ namespace at::kiln {
 // tensor in between. Either way the values are exactly CPU's, and no copy
 // reads a byte outside the source tensor's elements.
 //
-// Synchronization follows CUDA: a copy to pageable host memory, or any copy
-// to the host with non_blocking=False, waits for the stream (and counts as a
-// sync op). Host->device copies never wait: the runtime stages pageable
-// sources at the call, so the caller may reuse them at once. With
-// non_blocking=True and pinned host memory (pin_memory()), both directions
-// are asynchronous; the pinned block is kept from reuse until the copy ran
-// (CachingHostAllocator record_event).
+// Synchronization follows CUDA (copy_kernel_cuda's memcpy_and_sync): a copy
+// with non_blocking=False in either direction has completed when it returns —
+// it waits for the stream and counts as a sync op — so the caller may
+// overwrite or free the host buffer, and use the result on any stream, at
+// once. That holds for pinned sources too: the runtime does not stage pinned
+// memory, so returning early from a blocking pinned->device copy let the next
+// pin_memory() batch overwrite the block before the device read it (the
+// DataLoader(pin_memory=True) + x.to(device) loop trained on wrong batches).
+// With non_blocking=True: a device->host copy into pageable memory still
+// waits (the caller would read it at once); a host->device copy from pageable
+// memory is staged by the runtime at the call and does not wait; with pinned
+// host memory both directions are asynchronous, and the pinned block is kept
+// from reuse by the host allocator until the copy ran (record_event). The
+// tests in tests/test_copy_hazards.py reuse the host buffer right after each
+// kind of copy, behind a busy stream.
 
 namespace {
 
@@ -135,12 +143,17 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   if (bytes == target.storage().nbytes()) {
     c10::kiln::clearFailedResult(target.storage().data()); // overwritten whole
   }
-  if (non_blocking && isPinned(staged)) {
-    protectPinned(staged, stream);
-  }
   if (!target.is_same(dst)) {
     launchDeviceCopy(dst, target, stream);
   }
+  if (non_blocking) {
+    if (isPinned(staged)) {
+      protectPinned(staged, stream);
+    }
+    return;
+  }
+  recordSyncOp("aten::_copy_from");
+  stream.synchronize(); // a blocking copy has completed when it returns
 }
 
 // `sync_op` names the op counted as a sync op when the copy waits.

@@ -214,7 +214,12 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
       for (const c10::IValue& element : value.toListRef()) {
         if (element.isTensor()) {
           const at::Tensor& t = element.toTensor();
-          moved.emplace_back(t.device().is_cpu() ? t.to(*device) : t);
+          // Pageable indices are staged at the call, so the copy need not
+          // wait; pinned ones are not, so that copy completes first
+          // (Note [Kiln copies]).
+          moved.emplace_back(t.device().is_cpu()
+                                 ? t.to(*device, /*non_blocking=*/!t.is_pinned())
+                                 : t);
         } else {
           moved.emplace_back(std::nullopt);
         }
@@ -566,7 +571,7 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
         layout.storage_offset = kiln_out.storage_offset();
         adoptLayout(kiln_out, layout);
       }
-      kiln_out.copy_(host_outs[i]);
+      kiln_out.copy_(host_outs[i], /*non_blocking=*/true); // staged: see below
     }
   }
 
@@ -594,7 +599,9 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     at::Tensor result = host.is_non_overlapping_and_dense()
         ? freshLike(TensorLayout::of(host), device)
         : at::empty(host.sizes(), at::TensorOptions().dtype(host.dtype()).device(device));
-    result.copy_(host);
+    // `host` is a pageable temporary of this call: the runtime stages it at
+    // the copy, so the copy need not wait (Note [Kiln copies]).
+    result.copy_(host, /*non_blocking=*/true);
     return result;
   };
 
