@@ -8,6 +8,8 @@ its docstring and in bench/README.md.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from harness import CPU, DEVICES, KILN, Row, Target, interleaved, row_from_samples, sync, timed
@@ -180,3 +182,53 @@ def conv(quick: bool) -> list[Row]:
     samples = interleaved(reps, 5 if quick else 11, warmup=2)
     return [row_from_samples("kernels", "conv 16->32 3x3 fwd+bwd, 32x16x28x28", "ms", samples,
                              lambda s: s * 1e3)]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _heap_in_use() -> int:
+    """Bytes the process's malloc has handed out and not taken back (glibc's
+    mallinfo2: uordblks + hblkhd). Unlike the resident set, it falls when
+    memory is freed, so a delta measures what is held."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def pending_op_memory(quick: bool) -> list[Row]:
+    """Host memory held per launched-but-not-started op, in KiB: the stream is
+    stalled (torch.kiln._sleep), 1000 `c = a + b` on 128-element tensors are
+    launched behind it (below the default KILN_LAUNCH_QUEUE_DEPTH of 1024, so
+    none waits), and the growth of the heap in use (glibc mallinfo2) is
+    divided by 1000: the task's argument images and launch record, the
+    output tensors' host objects; the outputs' device blocks come from the
+    caching allocator's cache, warmed first, so they are not counted. The
+    host waits once a stream holds KILN_LAUNCH_QUEUE_DEPTH entries, so this
+    times the depth bounds what a stalled stream holds. Kiln only.
+    """
+    n = 1000
+    a, b = torch.randn(128, device=KILN), torch.randn(128, device=KILN)
+    per_op = []
+    for _ in range(3 if quick else 5):
+        outputs = [a + b for _ in range(n)]  # warm the allocator and the ring
+        del outputs
+        torch.kiln.synchronize()
+        torch.kiln._sleep(2000)
+        outputs = []
+        before = _heap_in_use()
+        for _ in range(n):
+            outputs.append(a + b)
+        per_op.append((_heap_in_use() - before) / n / 1024)
+        del outputs
+        torch.kiln.synchronize()
+    per_op.sort()
+    median = per_op[len(per_op) // 2]
+    return [Row("queue", "host memory per pending op (add, 128 elem)", "KiB", None, median,
+                note=f"{len(per_op)} runs of {n} ops behind a stalled stream: "
+                     f"{', '.join(f'{v:.2f}' for v in per_op)} KiB; with the default depth of "
+                     f"1024 a stalled stream holds about {median:.1f} MiB")]

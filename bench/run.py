@@ -51,6 +51,7 @@ GROUPS = {
     "matmul": micro.matmul,
     "conv": micro.conv,
     "copies": micro.copies,
+    "queue": micro.pending_op_memory,
     "training": training.throughput,
     "memory": training.peak_memory,
 }

@@ -129,6 +129,9 @@ kilnError_t SubmitCopy(Runtime& rt, ApiActivity& activity, Stream* stream, void*
   const bool stage = !wait && s.kind == MemoryKind::kPageable && !rt.config.launch_blocking;
   if (wait) {
     if (kilnError_t err = stream->CheckNotSelf()) return err;
+    // The earlier work first, interruptibly; then the copy itself, which the
+    // caller cannot abandon once enqueued (Note [Interruptible host waits]).
+    if (kilnError_t err = stream->HostWaitFor(stream->submitted())) return err;
   }
   Entry e;
   e.kind = EntryKind::kCopy;

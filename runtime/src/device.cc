@@ -85,6 +85,17 @@ void WaitAllDevices(Runtime& rt) {
   for (int d = 0; d < rt.device_count; ++d) WaitDevice(rt, d);
 }
 
+bool WaitBeforeFree(Runtime& rt) {
+  if (!g_unloading.load(std::memory_order_acquire)) {
+    WaitAllDevices(rt);
+    return true;
+  }
+  for (int d = 0; d < rt.device_count; ++d)
+    for (Stream* s : SnapshotStreams(rt.devices[d]))
+      if (!s->Idle()) return false;
+  return true;
+}
+
 kilnError_t CheckNotInsideTaskOf(int device) {
   const Stream* s = t_running_stream;
   if (s == nullptr || (device >= 0 && s->device() != device)) return kilnSuccess;
@@ -151,7 +162,8 @@ KILN_API kilnError_t kilnDeviceSynchronize(void) {
     activity.SetDevice(d);
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(d)) return err;
     const std::vector<kiln::Stream*> streams = kiln::SnapshotStreams(rt.devices[d]);
-    for (kiln::Stream* s : streams) s->WaitFor(s->submitted());
+    for (kiln::Stream* s : streams)
+      if (kilnError_t err = s->HostWaitFor(s->submitted())) return err;
     for (kiln::Stream* s : streams)
       if (kilnError_t err = s->TakeStickyError()) return err;
     return kilnSuccess;

@@ -13,6 +13,8 @@
 //                         default 16GiB. Decimal units (GB, MB) are refused
 //                         rather than guessed.
 //   KILN_LAUNCH_BLOCKING  "0" or "1", default 0
+//   KILN_LAUNCH_QUEUE_DEPTH  entries a stream holds before a launching host
+//                         thread waits: integer 1..1048576, default 1024
 #include <cstdlib>
 #include <cstring>
 
@@ -102,6 +104,18 @@ std::string ParseLaunchBlocking(const char* value, Config* config) {
       value);
 }
 
+std::string ParseLaunchQueueDepth(const char* value, Config* config) {
+  uint64_t n = 0;
+  if (ParseDecimal(value, UINT64_MAX, &n) && n >= 1 && n <= kMaxLaunchQueueDepth) {
+    config->launch_queue_depth = static_cast<size_t>(n);
+    return {};
+  }
+  return StrFormat(
+      "KILN_LAUNCH_QUEUE_DEPTH='%s' is invalid: expected a whole number of queued entries per "
+      "stream from 1 to %zu (unset it for the default of %zu)",
+      value, kMaxLaunchQueueDepth, kDefaultLaunchQueueDepth);
+}
+
 }  // namespace
 
 Config ReadConfig() {
@@ -115,6 +129,7 @@ Config ReadConfig() {
   if (const char* v = Getenv("KILN_DEVICE_COUNT")) note(ParseDeviceCount(v, &config));
   if (const char* v = Getenv("KILN_DEVICE_MEMORY")) note(ParseDeviceMemory(v, &config));
   if (const char* v = Getenv("KILN_LAUNCH_BLOCKING")) note(ParseLaunchBlocking(v, &config));
+  if (const char* v = Getenv("KILN_LAUNCH_QUEUE_DEPTH")) note(ParseLaunchQueueDepth(v, &config));
   if (!errors.empty()) config.error = "invalid kiln environment: " + errors;
   return config;
 }

@@ -119,6 +119,8 @@ KILN_API const char* kilnGetErrorName(kilnError_t error) {
     case kilnErrorInvalidValue: return "kilnErrorInvalidValue";
     case kilnErrorMemoryAllocation: return "kilnErrorMemoryAllocation";
     case kilnErrorInitializationError: return "kilnErrorInitializationError";
+    case kilnErrorRuntimeUnloading: return "kilnErrorRuntimeUnloading";
+    case kilnErrorInterrupted: return "kilnErrorInterrupted";
     case kilnErrorInvalidDevicePointer: return "kilnErrorInvalidDevicePointer";
     case kilnErrorInvalidDevice: return "kilnErrorInvalidDevice";
     case kilnErrorInvalidResourceHandle: return "kilnErrorInvalidResourceHandle";
@@ -136,6 +138,8 @@ KILN_API const char* kilnGetErrorString(kilnError_t error) {
     case kilnErrorInvalidValue: return "invalid argument";
     case kilnErrorMemoryAllocation: return "out of memory";
     case kilnErrorInitializationError: return "initialization error";
+    case kilnErrorRuntimeUnloading: return "the runtime is shutting down";
+    case kilnErrorInterrupted: return "host wait interrupted";
     case kilnErrorInvalidDevicePointer: return "invalid device pointer";
     case kilnErrorInvalidDevice: return "invalid device ordinal";
     case kilnErrorInvalidResourceHandle: return "invalid resource handle";

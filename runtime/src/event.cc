@@ -122,6 +122,12 @@ void WaitEventGeneration(Event* ev, uint64_t gen) {
   ev->cv.wait(lock, [&] { return !ev->IsPendingLocked(gen); });
 }
 
+// kilnEventSynchronize's wait: a host wait (Note [Interruptible host waits]).
+kilnError_t HostWaitEventGeneration(Event* ev, uint64_t gen) {
+  std::unique_lock<std::mutex> lock(ev->mu);
+  return HostWait(lock, ev->cv, [&] { return !ev->IsPendingLocked(gen); });
+}
+
 }  // namespace kiln
 
 using kiln::ApiCall;
@@ -267,7 +273,9 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
       std::lock_guard<std::mutex> lock(ev->mu);
       return !ev->IsPendingLocked(gen);
     };
-    if (!kiln::SpinUntil(done, kiln::kEventSpinNs)) kiln::WaitEventGeneration(ev, gen);
+    if (!kiln::SpinUntil(done, kiln::kEventSpinNs)) {
+      if (kilnError_t err = kiln::HostWaitEventGeneration(ev, gen)) return err;
+    }
     return kiln::TakeFailureBehind(ev);
   });
 }

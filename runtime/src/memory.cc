@@ -218,7 +218,7 @@ KILN_API kilnError_t kilnFree(void* devPtr) {
     }
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(-1)) return err;
     // See Note [kilnFree waits for every device].
-    kiln::WaitAllDevices(rt);
+    const bool release = kiln::WaitBeforeFree(rt);
     {
       std::lock_guard<std::mutex> lock(rt.mem_mu);
       auto it = rt.device_allocs.find(addr);
@@ -226,7 +226,7 @@ KILN_API kilnError_t kilnFree(void* devPtr) {
       rt.devices[it->second.device].used -= it->second.reserved;
       rt.device_allocs.erase(it);
     }
-    std::free(devPtr);
+    if (release) std::free(devPtr);
     return kilnSuccess;
   });
 }
@@ -273,14 +273,14 @@ KILN_API kilnError_t kilnFreeHost(void* ptr) {
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(-1)) return err;
     // Pending asynchronous copies may still read or write it.
     // See Note [kilnFree waits for every device].
-    kiln::WaitAllDevices(rt);
+    const bool release = kiln::WaitBeforeFree(rt);
     {
       std::lock_guard<std::mutex> lock(rt.mem_mu);
       auto it = rt.pinned_allocs.find(addr);
       if (it == rt.pinned_allocs.end()) return kiln::FailNotPinned(rt, ptr);
       rt.pinned_allocs.erase(it);
     }
-    std::free(ptr);
+    if (release) std::free(ptr);
     return kilnSuccess;
   });
 }

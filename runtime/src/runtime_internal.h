@@ -67,6 +67,9 @@ namespace kiln {
 constexpr int kMaxDevices = 64;
 constexpr int kDefaultDeviceCount = 2;
 constexpr uint64_t kDefaultDeviceMemory = uint64_t{16} << 30;  // 16 GiB
+// See "The launch queue" in runtime.h.
+constexpr size_t kDefaultLaunchQueueDepth = 1024;
+constexpr size_t kMaxLaunchQueueDepth = size_t{1} << 20;
 constexpr size_t kDeviceAlignment = 256;   // promised by kilnMalloc
 constexpr size_t kPinnedAlignment = 4096;  // a page, as pinned memory is
 constexpr int kStreamPriorityLowest = 0;
@@ -80,6 +83,7 @@ struct Config {
   int device_count = kDefaultDeviceCount;
   uint64_t device_memory = kDefaultDeviceMemory;
   bool launch_blocking = false;
+  size_t launch_queue_depth = kDefaultLaunchQueueDepth;
   // Empty when the environment is valid; otherwise every API call fails with
   // kilnErrorInitializationError and this text.
   std::string error;
@@ -311,6 +315,19 @@ class Stream {
   // Does not look at the sticky error. Must not be called from a task of
   // this stream (callers check CheckNotSelf first).
   void WaitFor(uint64_t seq);
+  // The same as a host wait (see "The launch queue, host waits and shutdown"
+  // in runtime.h): kilnErrorInterrupted if the host-wait callback abandoned it.
+  kilnError_t HostWaitFor(uint64_t seq);
+  // The same, giving up at `deadline_ns` (NowNs clock); false if it did.
+  bool WaitForUntil(uint64_t seq, int64_t deadline_ns);
+
+  // Wakes host threads waiting for room in the queue (kilnRuntimeShutdown:
+  // they then fail with kilnErrorRuntimeUnloading).
+  void WakeLaunchWaiters();
+  // Entries this stream dropped because the runtime was shutting down.
+  uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+  // Entries in the queue that have not started.
+  uint64_t Queued();
   uint64_t submitted() const { return submitted_.load(std::memory_order_acquire); }
   bool Idle() const {
     return completed_.load(std::memory_order_acquire) >= submitted_.load(std::memory_order_acquire);
@@ -344,7 +361,14 @@ class Stream {
   void WorkerLoop();
   void Pop(Entry* e);  // blocks; worker thread only
   kilnError_t SubmitInline(Entry& e, uint64_t* seq, bool* consumed);
-  bool ShouldSkip(uint64_t seq) const;
+  // mu_ held. Makes room for one more work entry, waiting if the calling host
+  // thread finds the queue full; fails if the wait was abandoned or the
+  // runtime is shutting down.
+  kilnError_t WaitForRoom(std::unique_lock<std::mutex>& lock);
+  // How WaitFor, HostWaitFor and WaitForUntil wait once spinning is over.
+  enum class WaitOutcome { kDone, kInterrupted, kTimedOut };
+  WaitOutcome BlockUntilCompleted(uint64_t seq, bool interruptible, int64_t deadline_ns);
+  bool ShouldSkip(uint64_t seq);
   // Runs one entry. Returns the task's failure (kilnErrorLaunchFailure with
   // *message) or kilnSuccess. Skip decisions per Note [Sticky stream errors].
   kilnError_t Run(Entry& e, std::string* message);
@@ -371,6 +395,12 @@ class Stream {
   uint64_t head_ = 0;
   uint64_t tail_ = 0;
   bool worker_sleeping_ = false;
+  // The launch queue's bound (KILN_LAUNCH_QUEUE_DEPTH), and the host threads
+  // waiting for room below it (they sleep on room_cv_; Pop wakes them).
+  size_t max_queued_ = kDefaultLaunchQueueDepth;
+  int room_waiters_ = 0;
+  std::condition_variable room_cv_;
+  std::atomic<uint64_t> dropped_{0};
 
   // See Note [Stream sequence numbers].
   std::atomic<uint64_t> submitted_{0};  // written under mu_
@@ -473,6 +503,7 @@ struct Event {
 // complete.
 void CompleteEventRecord(Event* event, uint64_t gen, Stream* stream, uint64_t seq);
 void WaitEventGeneration(Event* event, uint64_t gen);
+kilnError_t HostWaitEventGeneration(Event* event, uint64_t gen);  // interruptible
 
 // ---------------------------------------------------------------------------
 // Activity tracing (trace.cc). See Note [Activity tracing].
@@ -634,6 +665,46 @@ struct Runtime {
 // The process's runtime, created on first use (never destroyed).
 Runtime& GetRuntime();
 
+// --- Host waits and shutdown (host_wait.cc) ---------------------------------
+
+// Set by kilnRuntimeShutdown, never cleared: g_unloading when it starts
+// refusing work, g_dropping when it starts dropping queued work.
+extern std::atomic<bool> g_unloading;
+extern std::atomic<bool> g_dropping;
+
+// Task, copy and memset entries are work; records and waits are control.
+inline bool IsWorkEntry(const Entry& e) {
+  return e.kind == EntryKind::kTask || e.kind == EntryKind::kCopy || e.kind == EntryKind::kMemset;
+}
+
+// kilnErrorRuntimeUnloading with a message, for work submitted after shutdown.
+kilnError_t FailUnloading();
+
+// The interval of the host-wait callback in ns, or 0 when none is set.
+int64_t HostWaitIntervalNs();
+// Calls the host-wait callback (mu must not be held): kilnErrorInterrupted
+// (with a message) if it asked to abandon the wait, else kilnSuccess.
+kilnError_t CallHostWaitCallback();
+
+// Blocks on `cv` (with `lock` held) until done() — a host wait: the callback
+// is called every interval without the lock, and may abandon the wait
+// (kilnErrorInterrupted). Must not be used on worker threads.
+template <class Pred>
+kilnError_t HostWait(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Pred done) {
+  for (;;) {
+    const int64_t interval = HostWaitIntervalNs();
+    if (interval == 0 || t_running_stream != nullptr) {
+      cv.wait(lock, done);
+      return kilnSuccess;
+    }
+    if (cv.wait_for(lock, std::chrono::nanoseconds(interval), done)) return kilnSuccess;
+    lock.unlock();
+    const kilnError_t err = CallHostWaitCallback();
+    lock.lock();
+    if (err != kilnSuccess) return done() ? kilnSuccess : err;
+  }
+}
+
 inline ApiActivity::ApiActivity(Runtime& rt, const char* api) noexcept
     : collection_(rt.tracer.enabled()) {
   if (__builtin_expect(on(), 0)) {
@@ -685,6 +756,11 @@ kilnError_t ResolveStream(Runtime& rt, kilnStream_t handle, Stream** out);
 void WaitDevice(Runtime& rt, int device);
 // The same for every device (kilnFree, kilnFreeHost).
 void WaitAllDevices(Runtime& rt);
+// What kilnFree and kilnFreeHost wait for: every device, and true (the memory
+// may be released). After kilnRuntimeShutdown they never wait (a task still
+// running at exit would hold the process): false if any stream is busy, and
+// the memory is then left to the OS (Note [Shutdown at exit]).
+bool WaitBeforeFree(Runtime& rt);
 // kilnErrorNotPermitted if the calling thread is running a task of a stream of
 // `device` (or of any device when device < 0).
 kilnError_t CheckNotInsideTaskOf(int device);

@@ -64,6 +64,20 @@
 // runner checks sticky_code_ (acquire) and then skip_until_. Only the first
 // failure is kept; later entries are skipped, so none can fail.
 //
+// Note [Bounded launch queues]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A stream holds at most max_queued_ (KILN_LAUNCH_QUEUE_DEPTH) entries that
+// have not started. Without a bound, a program that runs ahead of a stalled
+// device grows without limit (300,000 tiny ops behind a long kernel held
+// +475 MB, mostly the tasks' argument images). Submit of a work entry from a
+// host thread onto a full queue sleeps on room_cv_ (a host wait: the host-wait
+// callback can abandon it) until Pop takes an entry; Pop notifies only when
+// room_waiters_ says someone sleeps, so a launch onto a queue with room costs
+// one comparison. Control entries (event records and waits) and anything
+// submitted by a worker thread (t_running_stream) never wait: the allocator
+// records events while holding its lock, and a worker that blocked on
+// another stream's full queue could wait for a worker that waits for it.
+//
 // Note [Launch blocking]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // With KILN_LAUNCH_BLOCKING=1 no worker threads are started: Submit runs each
@@ -155,6 +169,7 @@ kilnError_t Stream::Activate(int device, int priority, bool is_default, bool blo
   } catch (const std::bad_alloc&) {
     return Fail(kilnErrorMemoryAllocation, "out of host memory for a new stream's queue");
   }
+  max_queued_ = GetRuntime().config.launch_queue_depth;
   device_.store(device, std::memory_order_relaxed);
   id_.store(g_next_stream_id.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   priority_.store(priority, std::memory_order_relaxed);
@@ -195,6 +210,9 @@ kilnError_t Stream::Submit(Entry& e, uint64_t* seq, bool* consumed) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!alive_.load(std::memory_order_relaxed))
     return Fail(kilnErrorInvalidResourceHandle, "the stream was destroyed");
+  if (IsWorkEntry(e)) {
+    if (kilnError_t err = WaitForRoom(lock)) return err;
+  }
   if (tail_ - head_ == ring_.size()) {
     try {
       GrowRing();
@@ -217,6 +235,33 @@ kilnError_t Stream::Submit(Entry& e, uint64_t* seq, bool* consumed) {
   return kilnSuccess;
 }
 
+// See Note [Bounded launch queues].
+kilnError_t Stream::WaitForRoom(std::unique_lock<std::mutex>& lock) {
+  if (__builtin_expect(g_unloading.load(std::memory_order_acquire), 0)) return FailUnloading();
+  if (tail_ - head_ < max_queued_ || t_running_stream != nullptr) return kilnSuccess;
+  ++room_waiters_;
+  const kilnError_t err = HostWait(lock, room_cv_, [this] {
+    return tail_ - head_ < max_queued_ || g_unloading.load(std::memory_order_acquire) ||
+           !alive_.load(std::memory_order_relaxed);
+  });
+  --room_waiters_;
+  if (err != kilnSuccess) return err;
+  if (g_unloading.load(std::memory_order_acquire)) return FailUnloading();
+  if (!alive_.load(std::memory_order_relaxed))
+    return Fail(kilnErrorInvalidResourceHandle, "the stream was destroyed");
+  return kilnSuccess;
+}
+
+uint64_t Stream::Queued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tail_ - head_;
+}
+
+void Stream::WakeLaunchWaiters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  room_cv_.notify_all();
+}
+
 // See Note [Launch blocking].
 kilnError_t Stream::SubmitInline(Entry& e, uint64_t* seq, bool* consumed) {
   std::lock_guard<std::recursive_mutex> serial(inline_mu_);
@@ -224,6 +269,7 @@ kilnError_t Stream::SubmitInline(Entry& e, uint64_t* seq, bool* consumed) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!alive_.load(std::memory_order_relaxed))
       return Fail(kilnErrorInvalidResourceHandle, "the stream was destroyed");
+    if (IsWorkEntry(e) && g_unloading.load(std::memory_order_acquire)) return FailUnloading();
     e.seq = submitted_.load(std::memory_order_relaxed) + 1;
     submitted_.store(e.seq, std::memory_order_release);
   }
@@ -269,12 +315,18 @@ void Stream::Pop(Entry* e) {
   }
   *e = ring_[head_ & (ring_.size() - 1)];
   ++head_;
+  if (room_waiters_ > 0) room_cv_.notify_all();  // See Note [Bounded launch queues]
 }
 
-bool Stream::ShouldSkip(uint64_t seq) const {
+bool Stream::ShouldSkip(uint64_t seq) {
   // Order matters: see Note [Sticky stream errors].
   if (sticky_code_.load(std::memory_order_acquire) != kilnSuccess) return true;
-  return seq <= skip_until_.load(std::memory_order_relaxed);
+  if (seq <= skip_until_.load(std::memory_order_relaxed)) return true;
+  if (__builtin_expect(g_dropping.load(std::memory_order_relaxed), 0)) {
+    dropped_.fetch_add(1, std::memory_order_relaxed);  // See Note [Shutdown at exit]
+    return true;
+  }
+  return false;
 }
 
 kilnError_t Stream::Run(Entry& e, std::string* message) {
@@ -358,12 +410,41 @@ void Stream::PublishCompleted(uint64_t seq) {
 void Stream::WaitFor(uint64_t seq) {
   if (SpinUntil([&] { return completed_.load(std::memory_order_acquire) >= seq; }, kWaitSpinNs))
     return;
+  BlockUntilCompleted(seq, /*interruptible=*/false, /*deadline_ns=*/0);
+}
+
+kilnError_t Stream::HostWaitFor(uint64_t seq) {
+  if (SpinUntil([&] { return completed_.load(std::memory_order_acquire) >= seq; }, kWaitSpinNs))
+    return kilnSuccess;
+  return BlockUntilCompleted(seq, /*interruptible=*/true, 0) == WaitOutcome::kDone
+      ? kilnSuccess
+      : kilnErrorInterrupted;  // CallHostWaitCallback has set the message
+}
+
+bool Stream::WaitForUntil(uint64_t seq, int64_t deadline_ns) {
+  if (completed_.load(std::memory_order_acquire) >= seq) return true;
+  return BlockUntilCompleted(seq, /*interruptible=*/false, deadline_ns) == WaitOutcome::kDone;
+}
+
+Stream::WaitOutcome Stream::BlockUntilCompleted(uint64_t seq, bool interruptible,
+                                                int64_t deadline_ns) {
+  auto done = [&] { return completed_.load(std::memory_order_seq_cst) >= seq; };
+  WaitOutcome outcome = WaitOutcome::kDone;
   sync_waiters_.fetch_add(1, std::memory_order_seq_cst);
   {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return completed_.load(std::memory_order_seq_cst) >= seq; });
+    if (interruptible) {
+      if (HostWait(lock, done_cv_, done) != kilnSuccess) outcome = WaitOutcome::kInterrupted;
+    } else if (deadline_ns != 0) {
+      const auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::nanoseconds(deadline_ns - NowNs());
+      if (!done_cv_.wait_until(lock, deadline, done)) outcome = WaitOutcome::kTimedOut;
+    } else {
+      done_cv_.wait(lock, done);
+    }
   }
   sync_waiters_.fetch_sub(1, std::memory_order_relaxed);
+  return outcome;
 }
 
 kilnError_t Stream::CheckNotSelf() const {
@@ -528,7 +609,7 @@ KILN_API kilnError_t kilnStreamSynchronize(kilnStream_t stream) {
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
     activity.SetStream(s);
     if (kilnError_t err = s->CheckNotSelf()) return err;
-    s->WaitFor(s->submitted());
+    if (kilnError_t err = s->HostWaitFor(s->submitted())) return err;
     return s->TakeStickyError();
   });
 }

@@ -1,6 +1,7 @@
-// test_env.cc — KILN_DEVICE_COUNT, KILN_DEVICE_MEMORY and KILN_LAUNCH_BLOCKING
-// parsing. Every case runs in a child process with that environment (the
-// runtime reads it once per process); see test_util.h.
+// test_env.cc — parsing of KILN_DEVICE_COUNT, KILN_DEVICE_MEMORY,
+// KILN_LAUNCH_BLOCKING and KILN_LAUNCH_QUEUE_DEPTH. Every case runs in a child
+// process with that environment (the runtime reads it once per process); see
+// test_util.h.
 #include <ostream>
 #include <string>
 
@@ -192,6 +193,14 @@ INSTANTIATE_TEST_SUITE_P(
     LaunchBlocking, InvalidEnv,
     testing::Values(InvalidCase{"KILN_LAUNCH_BLOCKING", "2", "KILN_LAUNCH_BLOCKING='2';expected 1"},
                     InvalidCase{"KILN_LAUNCH_BLOCKING", "yes", "KILN_LAUNCH_BLOCKING='yes'"}),
+    [](const auto& p) { return NameFor(p.param.value); });
+
+INSTANTIATE_TEST_SUITE_P(
+    LaunchQueueDepth, InvalidEnv,
+    testing::Values(
+        InvalidCase{"KILN_LAUNCH_QUEUE_DEPTH", "0", "KILN_LAUNCH_QUEUE_DEPTH='0';from 1 to 1048576"},
+        InvalidCase{"KILN_LAUNCH_QUEUE_DEPTH", "1048577", "KILN_LAUNCH_QUEUE_DEPTH='1048577'"},
+        InvalidCase{"KILN_LAUNCH_QUEUE_DEPTH", "many", "KILN_LAUNCH_QUEUE_DEPTH='many';1024"}),
     [](const auto& p) { return NameFor(p.param.value); });
 
 struct MemoryCase {

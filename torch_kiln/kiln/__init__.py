@@ -59,17 +59,38 @@ from torch_kiln.kiln.random import (
 _initialized = False
 
 
-def _report_unraised_errors() -> None:
-    """At exit, say so if a device kernel failed and the program never
-    synchronized afterwards (its error would otherwise go unseen)."""
+# At exit, queued device work may run for _EXIT_DRAIN_MS; then what has not
+# started is dropped, and a task still running gets _EXIT_TIMEOUT_MS more.
+_EXIT_DRAIN_MS = 1000
+_EXIT_TIMEOUT_MS = 2000
+
+
+def _shut_down_at_exit() -> None:
+    """At exit: stop accepting device work, let the queues run for
+    _EXIT_DRAIN_MS, then drop the queued work that has not started, and say
+    so (Note [Shutdown at exit] in runtime/src/host_wait.cc);
+    then report a device kernel that failed if the program never synchronized
+    afterwards (its error would otherwise go unseen). Waiting for the queues
+    instead could last forever while daemon threads keep launching."""
     if not _initialized or _is_in_bad_fork():
+        return
+    dropped, still_running = _C._shutdown(_EXIT_DRAIN_MS, _EXIT_TIMEOUT_MS)
+    if dropped:
+        sys.stderr.write(f"torch.kiln: the process exited with {dropped} queued device "
+                         f"operation(s) that never ran; synchronize (torch.kiln.synchronize()) "
+                         f"before exiting to run them\n")
+    if still_running:
+        # Checking for unraised errors would wait for it.
+        sys.stderr.write(f"torch.kiln: a device operation was still running "
+                         f"{_EXIT_DRAIN_MS + _EXIT_TIMEOUT_MS} ms after exit began; it was "
+                         f"left running\n")
         return
     for message in _C._pending_errors():
         sys.stderr.write(f"torch.kiln: a device kernel failed and its error was never raised "
                          f"(the program exited without synchronizing): {message}\n")
 
 
-atexit.register(_report_unraised_errors)
+atexit.register(_shut_down_at_exit)
 
 
 def _lazy_init() -> None:

@@ -58,8 +58,10 @@
 extern "C" {
 #endif
 
-/* 2: activity tracing (kilnActivity*) and kilnStreamGetId. */
-#define KILN_RUNTIME_VERSION 2
+/* 2: activity tracing (kilnActivity*) and kilnStreamGetId.
+ * 3: bounded launch queues (KILN_LAUNCH_QUEUE_DEPTH), kilnSetHostWaitCallback,
+ *    kilnRuntimeShutdown, kilnErrorRuntimeUnloading, kilnErrorInterrupted. */
+#define KILN_RUNTIME_VERSION 3
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -71,6 +73,8 @@ typedef enum kilnError {
   kilnErrorInvalidValue = 1,          /* an argument is out of range or NULL   */
   kilnErrorMemoryAllocation = 2,      /* out of device (or host) memory        */
   kilnErrorInitializationError = 3,   /* bad environment, or a forked child    */
+  kilnErrorRuntimeUnloading = 4,      /* the process is exiting: work refused
+                                         (kilnRuntimeShutdown)                 */
   kilnErrorInvalidDevicePointer = 17, /* not a live pointer from kilnMalloc    */
   kilnErrorInvalidDevice = 101,       /* device index outside [0, count)       */
   kilnErrorInvalidResourceHandle = 400, /* bad stream or event handle, or an
@@ -78,6 +82,9 @@ typedef enum kilnError {
   kilnErrorNotReady = 600,            /* work is still pending (query calls)   */
   kilnErrorLaunchFailure = 719,       /* a task failed (sticky on its stream)  */
   kilnErrorNotPermitted = 800,        /* operation not allowed in this state   */
+  kilnErrorInterrupted = 990,         /* a host wait was abandoned because the
+                                         host-wait callback asked to stop (no
+                                         CUDA equivalent)                      */
   kilnErrorUnknown = 999
 } kilnError_t;
 
@@ -267,6 +274,54 @@ KILN_API void kilnTaskSetErrorMessage(const char* message);
 /* 1 if tasks run on the calling thread at launch (KILN_LAUNCH_BLOCKING=1),
  * else 0. */
 KILN_API kilnError_t kilnGetLaunchBlocking(int* blocking);
+
+/* ------------------------------------------------------------------------ */
+/* The launch queue, host waits and shutdown                                 */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Launch queue. Each stream holds at most KILN_LAUNCH_QUEUE_DEPTH entries
+ * that have not started (default 1024, the order of CUDA's pending-launch
+ * limit). A host thread that launches work — kilnLaunchTask, kilnMemcpy*,
+ * kilnMemsetAsync — onto a full stream waits until the stream starts an
+ * entry, so a program that runs far ahead of a slow or stalled device holds
+ * bounded memory. Event records and waits never wait for room, nor does work
+ * launched from inside a task (a worker must never block on a queue, or two
+ * streams could wait for each other); both may exceed the depth.
+ *
+ * Host waits: kilnStreamSynchronize, kilnDeviceSynchronize,
+ * kilnEventSynchronize, a synchronous copy waiting for the work queued before
+ * it, and a launch waiting for room in the queue.
+ */
+
+/* Called on a host thread that has been blocked in a host wait for
+ * `intervalMs`, and again every `intervalMs` while the wait lasts (not while
+ * the wait is only spinning, and never on a worker thread). Return 0 to keep
+ * waiting; anything else abandons the wait: the call returns
+ * kilnErrorInterrupted and the device work goes on (a launch that was
+ * waiting for room was not enqueued). A synchronous copy is only abandoned
+ * before it is enqueued, never half done. Lets a host runtime deliver a
+ * signal (Ctrl-C) to a thread waiting for the device: PyTorch's layer checks
+ * Python's signal handlers here. NULL removes the callback; intervalMs must
+ * be 1..60000. Needs no device: it does not initialise the runtime. */
+typedef int (*kilnHostWaitCallback_t)(void* userData);
+KILN_API kilnError_t kilnSetHostWaitCallback(kilnHostWaitCallback_t callback,
+                                            void* userData,
+                                            unsigned int intervalMs);
+
+/* For process exit: stops accepting device work (every later kilnLaunchTask,
+ * kilnMemcpy* and kilnMemsetAsync fails with kilnErrorRuntimeUnloading,
+ * including launches waiting for room in a queue), lets the queues run for
+ * up to `drainMs`, then drops every queued task, copy and memset that has not
+ * started (release functions still run, once), and waits up to `timeoutMs`
+ * more for the entries that are running to end.
+ * *dropped (may be NULL) receives the number of entries dropped, counting
+ * those still queued behind a task running at the timeout. Event
+ * records and waits still take effect. Returns kilnErrorNotReady if some
+ * entry was still running at the timeout. Irreversible; calling it again
+ * waits again. Fails with kilnErrorNotPermitted from inside a task. */
+KILN_API kilnError_t kilnRuntimeShutdown(unsigned int drainMs, unsigned int timeoutMs,
+                                        unsigned long long* dropped);
 
 enum {
   kilnEventDefault = 0x0,

@@ -23,6 +23,7 @@
 #include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
 #include "aten/TensorAliases.h"
+#include "core/KilnException.h"
 #include "core/KilnFunctions.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStorage.h"
@@ -469,6 +470,9 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
     }
     return std::nullopt;
   } catch (const std::exception& e) {
+    if (c10::kiln::isInterrupt(e)) {
+      throw; // Ctrl-C in a Python meta kernel: not a reason to run on CPU
+    }
     return std::nullopt;
   }
   for (const auto& warning : handler.warnings) {

@@ -2,6 +2,7 @@
 // to PyTorch exceptions (Note [Runtime errors become c10 errors]).
 #include "core/KilnFunctions.h"
 
+#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -12,7 +13,33 @@
 
 namespace c10::kiln {
 
+namespace {
+std::atomic<HostWaitInterruptThrower> g_interrupt_thrower{nullptr};
+} // namespace
+
+void setHostWaitInterruptThrower(HostWaitInterruptThrower thrower) {
+  g_interrupt_thrower.store(thrower, std::memory_order_release);
+}
+
+namespace {
+std::atomic<InterruptTest> g_interrupt_test{nullptr};
+} // namespace
+
+void setInterruptTest(InterruptTest test) {
+  g_interrupt_test.store(test, std::memory_order_release);
+}
+
+bool isInterrupt(const std::exception& e) {
+  const auto test = g_interrupt_test.load(std::memory_order_acquire);
+  return test != nullptr && test(e);
+}
+
 void throwRuntimeError(kilnError_t error) {
+  if (error == kilnErrorInterrupted) {
+    if (const auto thrower = g_interrupt_thrower.load(std::memory_order_acquire)) {
+      thrower(); // throws the pending KeyboardInterrupt, if this thread has one
+    }
+  }
   const char* detail = kilnGetLastErrorMessage();
   std::string message = (detail && *detail) ? std::string(detail)
                                             : std::string(kilnGetErrorString(error));

@@ -17,6 +17,7 @@
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
+#include "python/HostWaitInterrupts.h"
 
 namespace py = pybind11;
 
@@ -49,6 +50,19 @@ py::dict toDict(const std::unordered_map<std::string, int64_t>& counts) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Kiln's C++ layer (internal; use torch.kiln).";
+  // A python_error (KeyboardInterrupt from a host wait, Note [Ctrl-C during
+  // a host wait]) leaving one of these bindings is the Python exception it
+  // holds, not a RuntimeError.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (python_error& e) {
+      e.restore();
+    }
+  });
+  torch_kiln::installHostWaitInterrupts();
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
@@ -107,6 +121,21 @@ PYBIND11_MODULE(_C, m) {
     at::kiln::launchTask(stream, "kiln::sleep", [milliseconds] {
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
     });
+  });
+  m.def("_shutdown", [](unsigned drain_ms, unsigned timeout_ms) {
+    // At exit: stop accepting device work, let the queues drain for
+    // drain_ms, then drop what has not started (Note [Shutdown at exit]).
+    // Returns (entries dropped, whether work was still running at the end).
+    unsigned long long dropped = 0;
+    kilnError_t status;
+    {
+      py::gil_scoped_release no_gil;
+      status = kilnRuntimeShutdown(drain_ms, timeout_ms, &dropped);
+    }
+    if (status != kilnSuccess && status != kilnErrorNotReady) {
+      KILN_CHECK(status);
+    }
+    return py::make_tuple(dropped, status == kilnErrorNotReady);
   });
   m.def("_pending_errors", [] {
     // At exit: errors of kernels nobody synchronized on would be lost.
