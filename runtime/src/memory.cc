@@ -1,7 +1,7 @@
 // memory.cc — device and pinned host allocations, and pointer classification.
 //
-// Device memory is host memory from posix_memalign, charged against the
-// device's capacity. The allocation table (base → size, device) lets every
+// Device memory is host memory mapped from a memfd (one per allocation),
+// charged against the device's capacity. See Note [Shareable device memory]. The allocation table (base → size, device) lets every
 // call that takes a device pointer check that it is live and that a range lies
 // inside one allocation, so a stale or out-of-range pointer is a clear error
 // instead of silent corruption of whatever the host allocator put there.
@@ -24,6 +24,25 @@
 // are left for the streams' own synchronisation). Freeing is rare — PyTorch's
 // caching allocator frees only when it empties its cache — so the wider wait
 // costs nothing in steady state.
+// Note [Shareable device memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each kilnMalloc maps a fresh anonymous memory file (memfd_create) MAP_SHARED
+// and keeps its descriptor, so the allocation can be shared with another
+// process, like CUDA's POSIX-file-descriptor shareable handles
+// (cuMemExportToShareableHandle): kilnMemExportToShareableHandle hands out a
+// duplicate of the descriptor, which the host layer passes to the other
+// process (SCM_RIGHTS); kilnMemImportFromShareableHandle maps it there as
+// device memory of a given device. Both mappings are the same pages, so
+// writes on either side are seen by the other; the pages live while any
+// process maps them or holds a descriptor, so an importer's view stays valid
+// after the exporter frees its allocation (keeping the exporter from
+// *reusing* that memory while it is shared is the host layer's job: PyTorch's
+// caching allocator would hand the block to another tensor). Page faults,
+// alignment (page, above the 256 bytes promised) and release on kilnFree
+// (munmap) behave as for large malloc blocks, which glibc maps too.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -35,6 +54,11 @@
 
 namespace kiln {
 namespace {
+
+size_t PageRound(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGE_SIZE));
+  return (bytes + page - 1) / page * page;
+}
 
 uint64_t HostPhysicalMemory() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -179,19 +203,34 @@ KILN_API kilnError_t kilnMalloc(void** devPtr, size_t size) {
       dev.used += reserved;
     }
 
-    void* p = nullptr;
-    const int rc = posix_memalign(&p, align, reserved);
-    if (rc == 0) {
+    // See Note [Shareable device memory].
+    int rc = 0;
+    const size_t mapped = kiln::PageRound(reserved);
+    const int fd = memfd_create("kiln-device-memory", MFD_CLOEXEC);
+    void* p = MAP_FAILED;
+    if (fd < 0) {
+      rc = errno;
+    } else if (ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
+      rc = errno;
+    } else {
+      p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) rc = errno;
+    }
+    if (p != MAP_FAILED) {
       try {
         std::lock_guard<std::mutex> lock(rt.mem_mu);
-        rt.device_allocs.emplace(reinterpret_cast<uintptr_t>(p),
-                                 kiln::DeviceAllocation{size, reserved, d});
+        kiln::DeviceAllocation a{size, reserved, d};
+        a.fd = fd;
+        a.mapped = mapped;
+        rt.device_allocs.emplace(reinterpret_cast<uintptr_t>(p), a);
         *devPtr = p;
         return kilnSuccess;
       } catch (...) {
-        std::free(p);  // table insertion failed: fall through to the host failure
+        munmap(p, mapped);  // table insertion failed: fall through to the host failure
+        rc = ENOMEM;
       }
     }
+    if (fd >= 0) close(fd);
     uint64_t free_bytes = 0;
     {
       std::lock_guard<std::mutex> lock(rt.mem_mu);
@@ -219,14 +258,17 @@ KILN_API kilnError_t kilnFree(void* devPtr) {
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(-1)) return err;
     // See Note [kilnFree waits for every device].
     const bool release = kiln::WaitBeforeFree(rt);
+    kiln::DeviceAllocation a{0, 0, 0};
     {
       std::lock_guard<std::mutex> lock(rt.mem_mu);
       auto it = rt.device_allocs.find(addr);
       if (it == rt.device_allocs.end()) return kiln::FailNotFreeable(rt, devPtr);  // lost a race
-      rt.devices[it->second.device].used -= it->second.reserved;
+      a = it->second;
+      rt.devices[a.device].used -= a.reserved;
       rt.device_allocs.erase(it);
     }
-    if (release) std::free(devPtr);
+    if (release) munmap(devPtr, a.mapped);
+    close(a.fd);  // the pages live on while another process maps them
     return kilnSuccess;
   });
 }
@@ -301,6 +343,77 @@ KILN_API kilnError_t kilnPointerGetAttributes(kilnPointerAttributes* attributes,
         a = {kilnMemoryTypeHost, -1, reinterpret_cast<void*>(pinned->first), pinned->second};
     }
     *attributes = a;
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnMemExportToShareableHandle(int* fd, size_t* allocationSize,
+                                                   size_t* offset, const void* devPtr) {
+  return ApiCall("kilnMemExportToShareableHandle", [&](Runtime& rt) {
+    if (fd == nullptr || allocationSize == nullptr || offset == nullptr)
+      return Fail(kilnErrorInvalidValue, "fd, allocationSize and offset must not be NULL");
+    const auto addr = reinterpret_cast<uintptr_t>(devPtr);
+    std::lock_guard<std::mutex> lock(rt.mem_mu);
+    auto it = kiln::FindContaining(rt.device_allocs, addr, kiln::DeviceSizeOf);
+    if (it == rt.device_allocs.end())
+      return Fail(kilnErrorInvalidDevicePointer,
+                  "%p is not inside a live device allocation (from kilnMalloc or "
+                  "kilnMemImportFromShareableHandle); only device memory can be shared",
+                  devPtr);
+    const int copy = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0)
+      return Fail(kilnErrorMemoryAllocation,
+                  "could not duplicate the allocation's file descriptor (%s); raise the "
+                  "open-file limit (ulimit -n)",
+                  std::strerror(errno));
+    *fd = copy;
+    *allocationSize = it->second.size;
+    *offset = static_cast<size_t>(addr - it->first);
+    return kilnSuccess;
+  });
+}
+
+KILN_API kilnError_t kilnMemImportFromShareableHandle(void** devPtr, int fd,
+                                                     size_t allocationSize, int device) {
+  return ApiCall("kilnMemImportFromShareableHandle", [&](Runtime& rt) {
+    if (devPtr == nullptr) return Fail(kilnErrorInvalidValue, "devPtr is NULL");
+    if (kilnError_t err = kiln::CheckDevice(rt, device)) return err;
+    if (allocationSize == 0) return Fail(kilnErrorInvalidValue, "allocationSize is 0");
+    struct stat st{};
+    if (fd < 0 || fstat(fd, &st) != 0)
+      return Fail(kilnErrorInvalidValue, "fd %d is not an open file descriptor (%s)", fd,
+                  std::strerror(errno));
+    if (static_cast<uint64_t>(st.st_size) < allocationSize)
+      return Fail(kilnErrorInvalidValue,
+                  "fd %d holds %s, less than the allocationSize of %s: it is not the handle of "
+                  "that allocation",
+                  fd, FormatBytes(static_cast<uint64_t>(st.st_size)).c_str(),
+                  FormatBytes(allocationSize).c_str());
+    const size_t mapped = kiln::PageRound(allocationSize);
+    const int keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (keep < 0)
+      return Fail(kilnErrorMemoryAllocation, "could not duplicate fd %d (%s)", fd,
+                  std::strerror(errno));
+    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, keep, 0);
+    if (p == MAP_FAILED) {
+      const int e = errno;
+      close(keep);
+      return Fail(kilnErrorInvalidValue, "could not map fd %d as device memory (%s)", fd,
+                  std::strerror(e));
+    }
+    try {
+      std::lock_guard<std::mutex> lock(rt.mem_mu);
+      kiln::DeviceAllocation a{allocationSize, 0, device};
+      a.fd = keep;
+      a.mapped = mapped;
+      a.imported = true;
+      rt.device_allocs.emplace(reinterpret_cast<uintptr_t>(p), a);
+    } catch (...) {
+      munmap(p, mapped);
+      close(keep);
+      throw;
+    }
+    *devPtr = p;
     return kilnSuccess;
   });
 }

@@ -630,9 +630,12 @@ class ApiActivity {
 // ---------------------------------------------------------------------------
 
 struct DeviceAllocation {
-  size_t size;      // bytes requested
-  size_t reserved;  // bytes charged to the device (size rounded to 256)
+  size_t size;      // bytes requested (an import: the mapped size)
+  size_t reserved;  // bytes charged to the device (size rounded to 256; 0 for an import)
   int device;
+  int fd = -1;      // the memfd behind the mapping (Note [Shareable device memory])
+  size_t mapped = 0;  // bytes mapped (size rounded up to a page)
+  bool imported = false;  // mapped from another allocation's handle
 };
 
 struct Device {

@@ -17,6 +17,8 @@ import torch
 
 from torch_kiln import _C
 from torch_kiln.kiln._utils import _device_index
+from torch_kiln.kiln import _multiprocessing
+from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
 from torch_kiln.kiln.memory import (
     empty_cache,
@@ -227,6 +229,8 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return (1, 0)
 
 
+_multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
+
 __all__ = [
     "Event",
     "OutOfMemoryError",
@@ -241,6 +245,7 @@ __all__ = [
     "device_of",
     "empty_cache",
     "get_device_capability",
+    "ipc_collect",
     "get_device_name",
     "get_device_properties",
     "get_amp_supported_dtype",

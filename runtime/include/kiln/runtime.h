@@ -60,7 +60,8 @@ extern "C" {
 
 /* 2: activity tracing (kilnActivity*) and kilnStreamGetId.
  * 3: bounded launch queues (KILN_LAUNCH_QUEUE_DEPTH), kilnSetHostWaitCallback,
- *    kilnRuntimeShutdown, kilnErrorRuntimeUnloading, kilnErrorInterrupted. */
+ *    kilnRuntimeShutdown, kilnErrorRuntimeUnloading, kilnErrorInterrupted,
+ *    kilnMemExportToShareableHandle, kilnMemImportFromShareableHandle. */
 #define KILN_RUNTIME_VERSION 3
 
 /* ------------------------------------------------------------------------ */
@@ -164,6 +165,28 @@ KILN_API kilnError_t kilnFree(void* devPtr);
  * NULL. kilnFreeHost waits for the work already launched on every device (an
  * asynchronous copy may still use the memory) and rejects pointers not from
  * kilnMallocHost with kilnErrorInvalidValue. */
+/* Sharing device memory between processes, as CUDA's POSIX-file-descriptor
+ * shareable handles (cuMemExportToShareableHandle /
+ * cuMemImportFromShareableHandle with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR).
+ *
+ * kilnMemExportToShareableHandle: *fd receives a new file descriptor (the
+ * caller owns it and closes it) naming the whole allocation that contains
+ * devPtr; *allocationSize its size in bytes and *offset devPtr's offset in it.
+ * Send the descriptor to another process over a Unix socket (SCM_RIGHTS).
+ * kilnErrorInvalidDevicePointer if devPtr is not device memory.
+ *
+ * kilnMemImportFromShareableHandle: maps the allocation named by `fd` (of
+ * `allocationSize` bytes, as exported) as device memory of `device` in this
+ * process; *devPtr is its base. The caller keeps ownership of fd. The memory
+ * is the exporter's: writes on either side are seen by the other once the
+ * writer's stream work has completed, and it is not charged to `device`'s
+ * capacity. kilnFree(*devPtr) unmaps it. The pages stay valid while any
+ * process maps them, also after the exporter frees its allocation. */
+KILN_API kilnError_t kilnMemExportToShareableHandle(int* fd, size_t* allocationSize,
+                                                   size_t* offset, const void* devPtr);
+KILN_API kilnError_t kilnMemImportFromShareableHandle(void** devPtr, int fd,
+                                                     size_t allocationSize, int device);
+
 KILN_API kilnError_t kilnMallocHost(void** ptr, size_t size);
 KILN_API kilnError_t kilnFreeHost(void* ptr);
 

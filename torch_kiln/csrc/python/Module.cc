@@ -18,6 +18,7 @@
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
 #include "python/HostWaitInterrupts.h"
+#include "python/StorageSharing.h"
 
 namespace py = pybind11;
 
@@ -63,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   torch_kiln::installHostWaitInterrupts();
+  torch_kiln::bindStorageSharing(m);
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
