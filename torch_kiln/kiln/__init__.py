@@ -37,6 +37,7 @@ from torch_kiln.kiln.op_tracking import (
 )
 from torch_kiln.kiln.streams import (
     Event,
+    ExternalStream,
     Stream,
     StreamContext,
     current_stream,
@@ -208,6 +209,7 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 __all__ = [
     "Event",
+    "ExternalStream",
     "OutOfMemoryError",
     "Stream",
     "StreamContext",

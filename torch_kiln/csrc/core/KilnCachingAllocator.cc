@@ -172,13 +172,19 @@ class DeviceCache {
     if (!block->stream_uses.empty()) {
       // Note [Kiln caching allocator]: wait for the other streams' work.
       for (const StreamId id : block->stream_uses) {
+        const KilnStream stream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id));
+        if (isExternalStreamGone(stream)) {
+          continue; // destroying a stream waits for its work: nothing to wait for
+        }
         KilnEvent event;
-        event.record(KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id)));
+        event.record(stream);
         pending_.emplace_back(std::move(event), block);
         block->pending_events++;
       }
       block->stream_uses.clear();
-      return;
+      if (block->pending_events > 0) {
+        return;
+      }
     }
     deactivate(block);
   }
@@ -232,6 +238,16 @@ class DeviceCache {
     }
     f(stats_.oversize_allocations);
     f(stats_.oversize_segments);
+  }
+
+  // A stream handed to torch.kiln.ExternalStream that its owner has destroyed
+  // since. (Pool and default streams are never destroyed.)
+  static bool isExternalStreamGone(const KilnStream& stream) {
+    if (!stream.is_external()) {
+      return false;
+    }
+    int device = 0;
+    return kilnStreamGetDevice(stream.stream(), &device) != kilnSuccess;
   }
 
   // Best fit among the stream's free blocks of the pool.
