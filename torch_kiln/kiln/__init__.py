@@ -20,6 +20,7 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
 from torch_kiln.kiln.memory import (
     empty_cache,
+    get_per_process_memory_fraction,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
@@ -29,6 +30,7 @@ from torch_kiln.kiln.memory import (
     memory_summary,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
+    set_per_process_memory_fraction,
 )
 from torch_kiln.kiln.op_tracking import (
     clear_op_tracking,
@@ -225,6 +227,7 @@ __all__ = [
     "get_device_name",
     "get_device_properties",
     "get_amp_supported_dtype",
+    "get_per_process_memory_fraction",
     "get_executed_ops",
     "get_rng_state",
     "get_rng_state_all",
@@ -248,6 +251,7 @@ __all__ = [
     "seed",
     "seed_all",
     "set_device",
+    "set_per_process_memory_fraction",
     "set_rng_state",
     "set_rng_state_all",
     "set_stream",

@@ -8,10 +8,12 @@ All sizes are in bytes.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import torch
 
+from torch_kiln import _C
 from torch_kiln.kiln._utils import _device_index
 
 
@@ -107,3 +109,53 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     lines.append(f"{'Out-of-memory errors':<28}| {stats.get('num_ooms', 0)}")
     lines.append("=" * width)
     return "\n".join(lines) + "\n"
+
+
+def _checked_device(device: Any, what: str) -> int:
+    """``device`` as a kiln device index, where a negative index is an error."""
+    index = _device_index(device, optional=True)
+    if index < 0:
+        raise ValueError(f"{what}: expected a kiln device (None, an index >= 0, \"kiln:N\" or a "
+                         f"torch.device), got {device!r}.")
+    return index
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Limit the memory the caching allocator may reserve on ``device`` to
+    ``fraction`` of its capacity, as ``torch.cuda.set_per_process_memory_fraction``.
+
+    Args:
+        fraction (float): between 0 and 1; the allocator may reserve at most
+            ``fraction * total_memory`` bytes (``total_memory`` is the
+            device's capacity, ``KILN_DEVICE_MEMORY``; see ``mem_get_info``).
+            1.0 removes the limit.
+        device: the kiln device (``None``: the current device).
+
+    An allocation that would need more raises ``torch.OutOfMemoryError`` (after
+    releasing cached blocks and retrying, as for a full device) whose message
+    names the limit. Memory already reserved is not released when the limit
+    is lowered. The limit applies to this process only.
+
+    Raises:
+        TypeError: ``fraction`` is not a float (CUDA's rule: ``1`` is rejected,
+            pass ``1.0``).
+        ValueError: ``fraction`` is outside ``[0, 1]`` or NaN, or ``device`` is
+            not a kiln device.
+        RuntimeError: the device index is not below ``device_count()``.
+    """
+    index = _checked_device(device, "set_per_process_memory_fraction")
+    if not isinstance(fraction, float):
+        raise TypeError(f"set_per_process_memory_fraction: fraction must be a float between 0 and "
+                        f"1, got {type(fraction).__name__} {fraction!r}.")
+    if math.isnan(fraction) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"set_per_process_memory_fraction: invalid fraction {fraction}; it must be "
+                         "between 0 and 1 (the share of the device's capacity this process may use).")
+    _C._set_memory_fraction(float(fraction), index)
+
+
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    """The fraction of ``device``'s capacity the allocator may reserve, as set
+    by ``set_per_process_memory_fraction`` (1.0 if never set). ``device``:
+    ``None`` for the current device. Raises like ``set_per_process_memory_fraction``
+    for a bad device."""
+    return _C._get_memory_fraction(_checked_device(device, "get_per_process_memory_fraction"))

@@ -5,7 +5,9 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <sstream>
 #include <vector>
 
 #include <c10/core/Allocator.h>
@@ -62,6 +64,12 @@ namespace c10::kiln::KilnCachingAllocator {
 //    allocated, reserved and free.
 //  * Statistics follow CUDA's DeviceStats (c10/core/CachingDeviceAllocator.h),
 //    so memory_stats() has CUDA's keys ("allocated_bytes.all.current", ...).
+//  * Per-process memory fraction. set_per_process_memory_fraction(f) caps
+//    what the device's allocator may reserve at f * capacity, as CUDA's
+//    allowed_memory_maximum does: a new segment that would pass the cap is
+//    treated like a runtime out-of-memory (release the cache, retry once,
+//    then raise naming the cap). Only new segments are checked, so the hot
+//    path (a cached block) never looks at it.
 
 namespace {
 
@@ -204,6 +212,22 @@ class DeviceCache {
     releaseAllCached();
   }
 
+  // Note [Kiln caching allocator], per-process memory fraction.
+  void setMemoryFraction(double fraction, size_t capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fraction_ = fraction;
+    if (fraction < 1.0) {
+      limit_ = static_cast<size_t>(fraction * static_cast<double>(capacity));
+    } else {
+      limit_.reset();
+    }
+  }
+
+  double memoryFraction() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fraction_;
+  }
+
   DeviceStats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_;
@@ -339,16 +363,16 @@ class DeviceCache {
 
   Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream) {
     void* ptr = nullptr;
-    kilnError_t status = runtimeMalloc(&ptr, size);
+    kilnError_t status = reserve(&ptr, size);
     if (status == kilnErrorMemoryAllocation) {
       // Release the cache and retry once (Note [Kiln caching allocator]).
       stats_.num_alloc_retries++;
       releaseAllCached();
-      status = runtimeMalloc(&ptr, size);
+      status = reserve(&ptr, size);
     }
     if (status == kilnErrorMemoryAllocation) {
       stats_.num_ooms++;
-      raiseOutOfMemory(requested);
+      raiseOutOfMemory(requested, size);
     }
     KILN_CHECK(status);
     auto* block = new Block();
@@ -365,6 +389,25 @@ class DeviceCache {
     return block;
   }
 
+  // Whether a new segment of `size` bytes stays within the per-process limit.
+  bool withinLimit(size_t size) const {
+    if (!limit_.has_value()) {
+      return true;
+    }
+    const auto reserved = static_cast<size_t>(
+        stats_.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].current);
+    return size <= *limit_ && reserved <= *limit_ - size;
+  }
+
+  // A new segment from the runtime; kilnErrorMemoryAllocation also when the
+  // per-process limit would be passed.
+  kilnError_t reserve(void** ptr, size_t size) {
+    if (!withinLimit(size)) {
+      return kilnErrorMemoryAllocation;
+    }
+    return runtimeMalloc(ptr, size);
+  }
+
   kilnError_t runtimeMalloc(void** ptr, size_t size) {
     int previous = 0;
     KILN_CHECK(kilnGetDevice(&previous));
@@ -378,7 +421,7 @@ class DeviceCache {
     return status;
   }
 
-  [[noreturn]] void raiseOutOfMemory(size_t requested) {
+  [[noreturn]] void raiseOutOfMemory(size_t requested, size_t segment_size) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     {
@@ -394,6 +437,24 @@ class DeviceCache {
     c10::reportOutOfMemoryToProfiler(
         static_cast<int64_t>(requested), allocated, reserved,
         Device(DeviceType::PrivateUse1, device_));
+    if (!withinLimit(segment_size)) {
+      std::ostringstream fraction;
+      fraction << fraction_;
+      TORCH_CHECK_WITH(
+          OutOfMemoryError, false,
+          "Kiln out of memory. Tried to allocate ", format_size(requested), " (", requested,
+          " bytes) on kiln:", static_cast<int>(device_),
+          segment_size > roundSize(requested) ? ", which needs a new segment of " : "",
+          segment_size > roundSize(requested) ? format_size(segment_size) : "",
+          ", but this process may reserve at most ",
+          format_size(*limit_), " there (torch.kiln.set_per_process_memory_fraction(",
+          fraction.str(), ") of its ", format_size(total_bytes), " capacity) and ",
+          format_size(reserved), " is reserved already. Of the memory in use, ",
+          format_size(allocated), " is allocated by PyTorch, and ",
+          format_size(reserved > allocated ? reserved - allocated : 0),
+          " is reserved by PyTorch but unallocated. Free tensors you no longer need, use smaller "
+          "batches, or raise the limit with torch.kiln.set_per_process_memory_fraction.");
+    }
     TORCH_CHECK_WITH(
         OutOfMemoryError, requested > free_bytes,
         "Kiln out of memory: the host could not provide ", format_size(requested), " (", requested,
@@ -513,6 +574,10 @@ class DeviceCache {
   FreeList large_free_;
   std::deque<std::pair<KilnEvent, Block*>> pending_;
   DeviceStats stats_;
+
+  // Per-process memory fraction (Note [Kiln caching allocator]).
+  double fraction_ = 1.0;
+  std::optional<size_t> limit_; // bytes the allocator may reserve; none if fraction_ is 1
 };
 
 DeviceCache& deviceCache(DeviceIndex device) {
@@ -614,6 +679,20 @@ void resetPeakStats(DeviceIndex device) {
 void resetAccumulatedStats(DeviceIndex device) {
   check_device_index(device);
   deviceCache(device).resetAccumulated();
+}
+
+void setMemoryFraction(double fraction, DeviceIndex device) {
+  check_device_index(device);
+  TORCH_CHECK_VALUE(
+      fraction >= 0.0 && fraction <= 1.0, "Invalid memory fraction ", fraction,
+      " for kiln:", static_cast<int>(device), ": it must be between 0 and 1 (the share of the "
+      "device's capacity this process may reserve).");
+  deviceCache(device).setMemoryFraction(fraction, getMemoryInfo(device).second);
+}
+
+double getMemoryFraction(DeviceIndex device) {
+  check_device_index(device);
+  return deviceCache(device).memoryFraction();
 }
 
 std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) {

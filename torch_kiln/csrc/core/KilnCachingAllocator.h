@@ -8,7 +8,8 @@
 //
 // Errors: an allocation the device cannot satisfy even after releasing the
 // cache raises c10::OutOfMemoryError (torch.OutOfMemoryError) naming the
-// device, the request, and the allocated/reserved/free/total figures.
+// device, the request, and the allocated/reserved/free/total figures (and the
+// per-process limit, if set_per_process_memory_fraction set one).
 // Thread-safety: all functions are thread-safe (one mutex per device).
 #pragma once
 
@@ -39,5 +40,18 @@ void resetAccumulatedStats(DeviceIndex device);
 
 // (free, total) bytes of the device, as the runtime reports them.
 std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device);
+
+// --- Per-process memory fraction (torch.kiln.set_per_process_memory_fraction)
+//
+// Limits the memory the allocator may reserve on `device` to
+// fraction * capacity bytes (capacity: KILN_DEVICE_MEMORY), as CUDA's
+// setMemoryFraction does: a request that would need a new segment beyond the
+// limit first releases the cache, then raises c10::OutOfMemoryError naming the
+// limit. Memory already reserved is not released when the limit shrinks.
+// fraction 1 removes the limit. Throws c10::ValueError unless 0 <= fraction <= 1
+// and c10::Error for a bad device index.
+void setMemoryFraction(double fraction, DeviceIndex device);
+// The fraction last set for `device` (1.0 if never set).
+double getMemoryFraction(DeviceIndex device);
 
 } // namespace c10::kiln::KilnCachingAllocator

@@ -17,6 +17,7 @@
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
+#include "python/MemoryTools.h"
 
 namespace py = pybind11;
 
@@ -131,4 +132,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
   m.def("_clear_op_tracking", &at::kiln::clearOpTracking);
+  torch_kiln::initMemoryToolsBindings(m);
 }
