@@ -18,6 +18,7 @@ import torch
 from torch_kiln import _C
 from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
+from torch_kiln.kiln import memory
 from torch_kiln.kiln.memory import (
     empty_cache,
     get_per_process_memory_fraction,
@@ -26,6 +27,7 @@ from torch_kiln.kiln.memory import (
     mem_get_info,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     memory_summary,
     reset_accumulated_memory_stats,
@@ -244,6 +246,7 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
+    "memory_snapshot",
     "memory_stats",
     "memory_summary",
     "reset_accumulated_memory_stats",

@@ -1,5 +1,5 @@
-// MemoryTools.h — bindings of torch.kiln's memory tools (the per-process
-// memory fraction), added to torch_kiln._C by Module.cc.
+// MemoryTools.h — bindings of torch.kiln's memory tools (memory history and
+// snapshots, per-process memory fraction), added to torch_kiln._C by Module.cc.
 #pragma once
 
 #include <pybind11/pybind11.h>
