@@ -5,6 +5,7 @@ Every test compares kiln results with CPU's; `assert_same` is bit-exact
 kernels on the reference device.
 """
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -36,6 +37,52 @@ def run_python(code: str, env_overrides: dict | None = None, timeout: float = 12
             env[key] = value
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+KILN_ERROR_NOT_READY = 600  # kilnErrorNotReady
+
+
+def kiln_runtime() -> ctypes.CDLL:
+    """The device runtime's C API (the libkilnrt that kiln itself loaded), as
+    another library calling kilnStreamCreate would see it."""
+    import torch_kiln
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch_kiln._C.__file__), "libkilnrt.so"))
+    lib.kilnStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint,
+                                                 ctypes.c_int]
+    for name in ("kilnStreamDestroy", "kilnStreamQuery", "kilnStreamSynchronize"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def create_runtime_stream(device: int, priority: int = 0) -> int:
+    """A kilnStream_t made by the runtime directly (not by torch_kiln), on
+    `device`; the caller destroys it with kiln_runtime().kilnStreamDestroy."""
+    lib = kiln_runtime()
+    previous = ctypes.c_int()
+    assert lib.kilnGetDevice(ctypes.byref(previous)) == 0
+    assert lib.kilnSetDevice(device) == 0
+    handle = ctypes.c_void_p()
+    status = lib.kilnStreamCreateWithPriority(ctypes.byref(handle), 0, priority)
+    assert lib.kilnSetDevice(previous.value) == 0
+    assert status == 0
+    return handle.value
+
+
+@pytest.fixture
+def runtime_stream():
+    """Makes runtime streams for a test (`runtime_stream(device, priority=0)`
+    returns a kilnStream_t) and destroys them after it."""
+    created = []
+
+    def make(device: int, priority: int = 0) -> int:
+        created.append(create_runtime_stream(device, priority))
+        return created[-1]
+
+    yield make
+    lib = kiln_runtime()
+    for handle in created:
+        lib.kilnStreamSynchronize(handle)
+        lib.kilnStreamDestroy(handle)
 
 
 @pytest.fixture(autouse=True)

@@ -130,3 +130,124 @@ def test_out_of_memory_after_filling_the_device_frees_cache_and_retries():
     result = run_python(code, {"KILN_DEVICE_MEMORY": "100MiB"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "0", "OOM", "True", "3.0"]
+
+
+# --- torch.kiln.set_per_process_memory_fraction ------------------------------
+
+def capacity(device: int) -> int:
+    return torch.kiln.mem_get_info(device)[1]
+
+
+@pytest.fixture
+def fraction_reset():
+    yield
+    for device in range(torch.kiln.device_count()):
+        torch.kiln.set_per_process_memory_fraction(1.0, device)
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_memory_fraction_limits_what_the_allocator_reserves(device, fraction_reset):
+    torch.kiln.synchronize()
+    torch.kiln.empty_cache()
+    other = 1 - device
+    assert torch.kiln.get_per_process_memory_fraction(device) == 1.0
+    fraction = (16 * MiB) / capacity(device)
+    torch.kiln.set_per_process_memory_fraction(fraction, f"kiln:{device}")
+    assert torch.kiln.get_per_process_memory_fraction(device) == fraction
+    assert torch.kiln.get_per_process_memory_fraction(other) == 1.0
+    a = torch.empty(10 * MiB, dtype=torch.uint8, device=f"kiln:{device}")
+    ooms = torch.kiln.memory_stats(device)["num_ooms"]
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        torch.empty(10 * MiB, dtype=torch.uint8, device=f"kiln:{device}")
+    message = str(info.value)
+    reserved = torch.kiln.memory_reserved(device)
+    assert f"kiln:{device}" in message and "at most 16.00 MiB" in message
+    assert f"set_per_process_memory_fraction({fraction:g})" in message
+    assert f"{reserved / MiB:.2f} MiB is reserved already" in message
+    assert torch.kiln.memory_stats(device)["num_ooms"] == ooms + 1
+    b = torch.empty(10 * MiB, dtype=torch.uint8, device=f"kiln:{other}")  # other device: no limit
+    small = torch.ones(1000, device=f"kiln:{device}")  # fits beside `a`
+    assert small.sum().item() == 1000.0
+    del a
+    c = torch.empty(10 * MiB, dtype=torch.uint8, device=f"kiln:{device}")  # `a`'s block, cached
+    assert torch.kiln.memory_reserved(device) <= 16 * MiB
+    del b, c
+
+
+def test_memory_fraction_releases_the_cache_before_failing(fraction_reset):
+    torch.kiln.synchronize()
+    torch.kiln.empty_cache()
+    base = torch.kiln.memory_reserved()  # segments of live tensors
+    side = torch.kiln.Stream()
+    with torch.kiln.stream(side):
+        cached = torch.empty(8 * MiB, dtype=torch.uint8, device="kiln")
+    del cached  # cached for the side stream, useless to the default stream
+    torch.kiln.set_per_process_memory_fraction((base + 12 * MiB) / capacity(0))
+    retries = torch.kiln.memory_stats()["num_alloc_retries"]
+    x = torch.empty(10 * MiB, dtype=torch.uint8, device="kiln")  # fits once the cache is gone
+    assert torch.kiln.memory_stats()["num_alloc_retries"] == retries + 1
+    assert torch.kiln.memory_reserved() == base + 10 * MiB
+    del x
+
+
+def test_lowering_the_fraction_keeps_what_is_reserved(fraction_reset):
+    torch.kiln.synchronize()
+    torch.kiln.empty_cache()
+    x = torch.empty(4 * MiB, dtype=torch.uint8, device="kiln:1")
+    x.fill_(3)
+    reserved = torch.kiln.memory_reserved(1)
+    torch.kiln.set_per_process_memory_fraction(0.0, 1)
+    assert torch.kiln.memory_reserved(1) == reserved >= 4 * MiB
+    with pytest.raises(torch.OutOfMemoryError, match="at most 0 bytes"):
+        torch.empty(MiB, dtype=torch.uint8, device="kiln:1")
+    torch.kiln.set_per_process_memory_fraction(1.0, 1)
+    assert x.sum().item() == 3 * 4 * MiB  # the tensor kept its memory
+    del x
+
+
+def test_memory_fraction_accepts_every_device_form(fraction_reset):
+    for device, index in ((None, 0), (1, 1), ("kiln:1", 1), (torch.device("kiln", 0), 0), ("kiln", 0)):
+        torch.kiln.set_per_process_memory_fraction(0.5, device)
+        assert torch.kiln.get_per_process_memory_fraction(index) == 0.5
+        assert torch.kiln.get_per_process_memory_fraction(device) == 0.5
+        torch.kiln.set_per_process_memory_fraction(1.0, device)
+    with torch.kiln.device(1):
+        torch.kiln.set_per_process_memory_fraction(0.25)
+    assert torch.kiln.get_per_process_memory_fraction(1) == 0.25
+
+
+@pytest.mark.parametrize("fraction, error, match", [
+    (1, TypeError, "must be a float"),         # CUDA's rule: an int is rejected
+    ("0.5", TypeError, "must be a float"),
+    (True, TypeError, "must be a float"),
+    (None, TypeError, "must be a float"),
+    (1.5, ValueError, "between 0 and 1"),
+    (-0.1, ValueError, "between 0 and 1"),
+    (float("nan"), ValueError, "between 0 and 1"),
+    (float("inf"), ValueError, "between 0 and 1"),
+])
+def test_memory_fraction_rejects_bad_fractions(fraction, error, match, fraction_reset):
+    with pytest.raises(error, match=match):
+        torch.kiln.set_per_process_memory_fraction(fraction)
+    assert torch.kiln.get_per_process_memory_fraction() == 1.0
+
+
+@pytest.mark.parametrize("device, error, match", [
+    (-1, ValueError, "expected a kiln device"),
+    (2, RuntimeError, "Kiln has 2 devices"),
+    ("cuda:0", ValueError, "Expected a kiln device"),
+    (1.0, TypeError, "Expected a kiln device"),
+])
+def test_memory_fraction_rejects_bad_devices(device, error, match):
+    with pytest.raises(error, match=match):
+        torch.kiln.set_per_process_memory_fraction(0.5, device)
+    with pytest.raises(error, match=match):
+        torch.kiln.get_per_process_memory_fraction(device)
+
+
+def test_memory_fraction_binding_rejects_bad_values():
+    from torch_kiln import _C
+    with pytest.raises(ValueError, match="must be between 0 and 1"):
+        _C._set_memory_fraction(2.0, 0)
+    with pytest.raises(RuntimeError, match="Kiln has 2 devices|device"):
+        _C._set_memory_fraction(0.5, 9)

@@ -35,6 +35,14 @@ torch.utils.rename_privateuse1_backend("kiln")
 from torch_kiln import kiln  # noqa: E402  (needs the backend name above)
 
 torch._register_device_module("kiln", kiln)
+# `import torch.kiln.memory` (and `from torch.kiln.memory import ...`, as CUDA
+# code writes for torch.cuda.memory) must find the loaded submodules, not load
+# second copies under the torch.kiln name.
+import sys  # noqa: E402
+
+for _name in ("amp", "memory", "random", "streams"):
+    sys.modules.setdefault(f"torch.kiln.{_name}", getattr(kiln, _name))
+del _name
 torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
 )

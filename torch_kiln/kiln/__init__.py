@@ -20,17 +20,21 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
+from torch_kiln.kiln import memory
 from torch_kiln.kiln.memory import (
     empty_cache,
+    get_per_process_memory_fraction,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     memory_summary,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
+    set_per_process_memory_fraction,
 )
 from torch_kiln.kiln.op_tracking import (
     clear_op_tracking,
@@ -39,6 +43,7 @@ from torch_kiln.kiln.op_tracking import (
 )
 from torch_kiln.kiln.streams import (
     Event,
+    ExternalStream,
     Stream,
     StreamContext,
     current_stream,
@@ -233,6 +238,7 @@ _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
 
 __all__ = [
     "Event",
+    "ExternalStream",
     "OutOfMemoryError",
     "Stream",
     "StreamContext",
@@ -249,6 +255,7 @@ __all__ = [
     "get_device_name",
     "get_device_properties",
     "get_amp_supported_dtype",
+    "get_per_process_memory_fraction",
     "get_executed_ops",
     "get_rng_state",
     "get_rng_state_all",
@@ -265,6 +272,7 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
+    "memory_snapshot",
     "memory_stats",
     "memory_summary",
     "reset_accumulated_memory_stats",
@@ -272,6 +280,7 @@ __all__ = [
     "seed",
     "seed_all",
     "set_device",
+    "set_per_process_memory_fraction",
     "set_rng_state",
     "set_rng_state_all",
     "set_stream",

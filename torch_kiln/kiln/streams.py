@@ -50,8 +50,65 @@ class Stream(torch.Stream):
         """(least, greatest) priority: (0, -1), as ``torch.cuda.Stream`` reports."""
         return (0, -1)
 
+    @property
+    def kiln_stream(self) -> int:
+        """The runtime's handle of this stream (a ``kilnStream_t``, as an int),
+        like ``torch.cuda.Stream.cuda_stream``: pass it to code that calls the
+        kiln runtime, or to ``torch.kiln.ExternalStream``."""
+        return self.native_handle
+
+    @property
+    def _as_parameter_(self):
+        """The handle as a ``ctypes.c_void_p``, so the stream can be passed to
+        a ctypes function taking a ``kilnStream_t``."""
+        import ctypes
+        return ctypes.c_void_p(self.kiln_stream)
+
     def __repr__(self) -> str:
         return f"<torch.kiln.Stream device=kiln:{self.device_index} id={self.stream_id}>"
+
+
+class ExternalStream(Stream):
+    """A runtime stream created outside PyTorch, as a ``torch.kiln.Stream``
+    (``torch.cuda.ExternalStream``'s interface), so that kiln work can be
+    queued on a stream another library owns: ``with torch.kiln.stream(ext):``.
+
+    Args:
+        stream_ptr (int): the ``kilnStream_t`` handle (say from the runtime's
+            ``kilnStreamCreate``, or another stream's ``kiln_stream``).
+            ``0`` (NULL) names the current device's default stream, as in the
+            runtime's API.
+        device: the kiln device the stream belongs to; ``None`` (default)
+            takes it from the runtime. A device that does not match raises.
+
+    The wrapper does not own the stream: keep it alive (do not
+    ``kilnStreamDestroy`` it) while PyTorch uses it; work queued on a destroyed
+    stream raises ``RuntimeError``. The handle of one of PyTorch's own kiln
+    streams gives that stream (``ExternalStream(s.kiln_stream) == s``).
+
+    Raises:
+        TypeError: ``stream_ptr`` is not an int.
+        ValueError: the runtime does not know the handle (never created, or
+            destroyed), or it belongs to another device than ``device``.
+    """
+
+    def __new__(cls, stream_ptr: int, device: Any = None, **kwargs):
+        if isinstance(stream_ptr, bool) or not isinstance(stream_ptr, int):
+            raise TypeError(f"ExternalStream: stream_ptr must be an int (a kilnStream_t handle), got "
+                            f"{type(stream_ptr).__name__}.")
+        if stream_ptr < 0 or stream_ptr >= 1 << 64:
+            raise ValueError(f"ExternalStream: {stream_ptr:#x} is not a kiln runtime stream handle "
+                             "(a pointer value).")
+        index = -1 if device is None else _device_index(device, optional=True)
+        if index < -1:
+            raise ValueError(f"ExternalStream: expected a kiln device, got {device!r}.")
+        stream_id, device_index, device_type = _C._stream_from_external(stream_ptr, index)
+        return super().__new__(cls, stream_id=stream_id, device_index=device_index,
+                               device_type=device_type, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"<torch.kiln.ExternalStream device=kiln:{self.device_index} "
+                f"kiln_stream={self.kiln_stream:#x}>")
 
 
 class Event(torch.Event):

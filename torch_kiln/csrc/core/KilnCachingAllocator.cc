@@ -2,13 +2,19 @@
 #include "core/KilnCachingAllocator.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <sstream>
+#include <unordered_set>
 #include <vector>
 
 #include <c10/core/Allocator.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <c10/util/flat_hash_map.h>
 #include <c10/util/irange.h>
@@ -62,6 +68,39 @@ namespace c10::kiln::KilnCachingAllocator {
 //    allocated, reserved and free.
 //  * Statistics follow CUDA's DeviceStats (c10/core/CachingDeviceAllocator.h),
 //    so memory_stats() has CUDA's keys ("allocated_bytes.all.current", ...).
+//  * Per-process memory fraction. set_per_process_memory_fraction(f) caps
+//    what the device's allocator may reserve at f * capacity, as CUDA's
+//    allowed_memory_maximum does: a new segment that would pass the cap is
+//    treated like a runtime out-of-memory (release the cache, retry once,
+//    then raise naming the cap). Only new segments are checked, so the hot
+//    path (a cached block) never looks at it.
+
+// Note [Kiln memory history]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch.kiln.memory._record_memory_history / _snapshot are CUDA's memory
+// snapshot tools (c10/cuda/CUDACachingAllocator.cpp, recordHistory and
+// snapshot) on kiln, producing the same dictionaries so PyTorch's
+// torch.cuda._memory_viz and the pytorch.org/memory_viz page read them:
+//  * Segments are remembered in `segments_` (a Segment per runtime allocation,
+//    pointing at its lowest-address block), so a snapshot can walk every
+//    block, allocated or free, without a registry of live blocks on the hot
+//    path. Splits and merges keep Segment::head current.
+//  * While recording, every allocator action appends a c10 TraceEntry to the
+//    device's ring buffer (the newest max_entries survive): alloc,
+//    free_requested, free_completed (at once, or when record_stream's events
+//    completed), segment_alloc, segment_free, oom, snapshot. The order is the
+//    one the visualizer replays: a segment_alloc before the allocs inside it,
+//    every free_completed of a segment before its segment_free.
+//  * Stack contexts come from a CreateContextFn that the Python layer
+//    registers (torch's CapturedTraceback::gather, as CUDA's bindings do).
+//    The allocator calls it before taking its mutex, since gathering Python
+//    frames takes the GIL: lock order is always GIL -> allocator mutex.
+//    CapturedTraceback only takes the GIL on threads Python knows, so a free
+//    on a stream worker (a task holding the last reference) records no
+//    Python frames instead of waiting for the GIL; and contexts release their
+//    frames without the GIL. So the allocator itself never calls into Python.
+//  * When recording is off, malloc and free pay one relaxed atomic load and
+//    branch (maybeGatherContext) plus one predictable branch per trace site.
 
 namespace {
 
@@ -69,6 +108,7 @@ using c10::CachingAllocator::format_size;
 using c10::CachingAllocator::Stat;
 using c10::CachingAllocator::StatType;
 using c10::CachingAllocator::StatTypes;
+using c10::CachingDeviceAllocator::BlockInfo;
 using c10::CachingDeviceAllocator::DeviceStats;
 
 constexpr size_t kMinBlockSize = 512;      // allocation granularity (bytes)
@@ -76,6 +116,12 @@ constexpr size_t kSmallSize = 256 << 10;    // largest request of the small pool
 constexpr size_t kSmallSegment = 1 << 20;   // size of a small-pool segment
 constexpr size_t kMinLargeSplit = kSmallSize; // a large block splits if more is left
 constexpr int kMaxDevices = 64;
+constexpr size_t kNumTraceActions = static_cast<size_t>(TraceEntry::OOM) + 1;
+
+using c10::GatheredContext;
+using Context = std::shared_ptr<GatheredContext>;
+
+struct Segment;
 
 struct Block {
   DeviceIndex device = 0;
@@ -89,6 +135,17 @@ struct Block {
   Block* next = nullptr;
   std::vector<StreamId> stream_uses; // other streams that used the block
   int pending_events = 0;
+  Segment* segment = nullptr; // the runtime allocation this block is part of
+  Context context_when_allocated; // only while recording with a context
+};
+
+// One runtime allocation (kilnMalloc), split into blocks head, head->next, ...
+struct Segment {
+  Block* head = nullptr; // the block at the segment's start address
+  StreamId stream_id = 0;
+  size_t size = 0;
+  bool is_small = false;
+  Context context_when_allocated;
 };
 
 struct BlockLess {
@@ -133,8 +190,10 @@ class DeviceCache {
   explicit DeviceCache(DeviceIndex device) : device_(device) {}
 
   Block* malloc(size_t requested, const KilnStream& stream) {
+    // Before the lock: gathering may take the GIL (Note [Kiln memory history]).
+    Context context = maybeGatherContext(RecordContext::STATE);
     std::lock_guard<std::mutex> lock(mutex_);
-    processEvents();
+    processEvents(context);
     const size_t size = roundSize(requested);
     const bool is_small = size <= kSmallSize;
     FreeList& pool = is_small ? small_free_ : large_free_;
@@ -142,15 +201,17 @@ class DeviceCache {
     Block* block = takeCached(pool, stream.id(), size);
     if (block == nullptr) {
       if (!is_small) {
-        releaseSmallerSegments(stream.id(), size);
+        releaseSmallerSegments(stream.id(), size, context);
       }
-      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream);
+      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream, context);
     }
     splitIfLarger(block, size);
     clearFailedResult(block->ptr); // new contents (Note [Results of failed kernels])
     block->allocated = true;
     block->requested = requested;
     block->stream_uses.clear();
+    recordTrace(TraceEntry::ALLOC, block->ptr, requested, block->stream_id, context);
+    block->context_when_allocated = std::move(context);
     forEachPoolOf(block, [&](size_t t) {
       stats_.allocation[t].increase(1);
       stats_.allocated_bytes[t].increase(block->size);
@@ -162,6 +223,7 @@ class DeviceCache {
   }
 
   void free(Block* block) {
+    Context context = maybeGatherContext(RecordContext::ALL);
     std::lock_guard<std::mutex> lock(mutex_);
     block->allocated = false;
     forEachPoolOf(block, [&](size_t t) {
@@ -169,18 +231,26 @@ class DeviceCache {
       stats_.allocated_bytes[t].decrease(block->size);
       stats_.requested_bytes[t].decrease(block->requested);
     });
+    recordTrace(TraceEntry::FREE_REQUESTED, block->ptr, block->requested, block->stream_id,
+                context, block->context_when_allocated);
     if (!block->stream_uses.empty()) {
       // Note [Kiln caching allocator]: wait for the other streams' work.
       for (const StreamId id : block->stream_uses) {
+        const KilnStream stream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id));
+        if (isExternalStreamGone(stream)) {
+          continue; // destroying a stream waits for its work: nothing to wait for
+        }
         KilnEvent event;
-        event.record(KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id)));
+        event.record(stream);
         pending_.emplace_back(std::move(event), block);
         block->pending_events++;
       }
       block->stream_uses.clear();
-      return;
+      if (block->pending_events > 0) {
+        return;
+      }
     }
-    deactivate(block);
+    deactivate(block, context);
   }
 
   void recordStream(Block* block, const KilnStream& stream) {
@@ -194,8 +264,92 @@ class DeviceCache {
   }
 
   void emptyCache() {
+    Context context = maybeGatherContext(RecordContext::ALL);
     std::lock_guard<std::mutex> lock(mutex_);
-    releaseAllCached();
+    releaseAllCached(context);
+  }
+
+  // Note [Kiln caching allocator], per-process memory fraction.
+  void setMemoryFraction(double fraction, size_t capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fraction_ = fraction;
+    if (fraction < 1.0) {
+      limit_ = static_cast<size_t>(fraction * static_cast<double>(capacity));
+    } else {
+      limit_.reset();
+    }
+  }
+
+  double memoryFraction() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fraction_;
+  }
+
+  // Note [Kiln memory history].
+  void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
+                     RecordContext when, bool clear_history,
+                     const std::array<bool, kNumTraceActions>& skip) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    record_history_ = enabled;
+    skip_actions_ = skip;
+    context_recorder_.store(enabled ? recorder : nullptr);
+    record_context_.store(static_cast<int>(enabled ? when : RecordContext::NEVER),
+                          std::memory_order_relaxed);
+    max_entries = std::max<size_t>(1, max_entries);
+    if (!enabled || clear_history) {
+      trace_.clear();
+      trace_next_ = 0;
+    } else if (max_entries != trace_max_) {
+      std::vector<TraceEntry> kept = traceEntries();
+      if (kept.size() > max_entries) {
+        kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(max_entries));
+      }
+      trace_ = std::move(kept);
+      trace_next_ = 0;
+    }
+    trace_max_ = max_entries;
+  }
+
+  // Appends the device's segments, each with its blocks in address order.
+  void snapshot(std::vector<SegmentInfo>& out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t total_active = 0;
+    for (const Segment* segment : segments_) {
+      SegmentInfo& info = out.emplace_back();
+      info.device = device_;
+      info.address = reinterpret_cast<size_t>(segment->head->ptr);
+      info.stream = reinterpret_cast<void*>(static_cast<intptr_t>(segment->stream_id));
+      info.is_large = !segment->is_small;
+      info.context_when_allocated = segment->context_when_allocated;
+      for (const Block* block = segment->head; block != nullptr; block = block->next) {
+        BlockInfo& b = info.blocks.emplace_back();
+        b.size = block->size;
+        b.requested_size = block->allocated || block->pending_events > 0 ? block->requested : 0;
+        b.allocated = block->allocated;
+        b.active = block->allocated || block->pending_events > 0;
+        b.context_when_allocated = block->context_when_allocated;
+        info.total_size += b.size;
+        if (b.allocated) {
+          info.allocated_size += b.size;
+        }
+        if (b.active) {
+          info.active_size += b.size;
+          info.requested_size += b.requested_size;
+        }
+      }
+      total_active += info.active_size;
+    }
+    recordTrace(TraceEntry::SNAPSHOT, nullptr, total_active, 0, nullptr);
+  }
+
+  // The recorded trace, oldest first, with times in microseconds since the epoch.
+  std::vector<TraceEntry> trace(const std::function<time_t(approx_time_t)>& to_ns) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<TraceEntry> result = traceEntries();
+    for (TraceEntry& entry : result) {
+      entry.time_.t_ = to_ns(entry.time_.approx_t_) / 1000;
+    }
+    return result;
   }
 
   DeviceStats stats() {
@@ -234,6 +388,68 @@ class DeviceCache {
     f(stats_.oversize_segments);
   }
 
+  // Note [Kiln memory history]: the context of this call if recording at
+  // `level` or above. Call without holding mutex_.
+  Context maybeGatherContext(RecordContext level) {
+    if (C10_LIKELY(record_context_.load(std::memory_order_relaxed) < static_cast<int>(level))) {
+      return nullptr;
+    }
+    const CreateContextFn recorder = context_recorder_.load();
+    return recorder != nullptr ? recorder() : nullptr;
+  }
+
+  // Appends to the trace while recording (mutex_ held), with `context`, or
+  // `fallback` if there is none (a free shows its allocation's stack unless
+  // frees gather their own, as on CUDA).
+  void recordTrace(TraceEntry::Action action, const void* addr, size_t size, StreamId stream_id,
+                   const Context& context, const Context& fallback = Context()) {
+    if (C10_LIKELY(!record_history_)) {
+      return;
+    }
+    recordTraceSlow(action, reinterpret_cast<size_t>(addr), size, stream_id,
+                    context ? context : fallback);
+  }
+
+  C10_NOINLINE void recordTraceSlow(TraceEntry::Action action, size_t addr, size_t size,
+                                    StreamId stream_id, const Context& context) {
+    if (skip_actions_[static_cast<size_t>(action)]) {
+      return;
+    }
+    const bool with_context =
+        record_context_.load(std::memory_order_relaxed) >= static_cast<int>(RecordContext::ALLOC);
+    TraceEntry entry(action, device_, addr, size,
+                     reinterpret_cast<void*>(static_cast<intptr_t>(stream_id)),
+                     MempoolId_t{0, 0}, c10::getApproximateTime(),
+                     with_context ? context : nullptr);
+    if (trace_.size() < trace_max_) {
+      trace_.push_back(std::move(entry));
+      return;
+    }
+    trace_[trace_next_] = std::move(entry);
+    if (++trace_next_ == trace_max_) {
+      trace_next_ = 0;
+    }
+  }
+
+  // The ring buffer's entries, oldest first (mutex_ held).
+  std::vector<TraceEntry> traceEntries() const {
+    std::vector<TraceEntry> result;
+    result.reserve(trace_.size());
+    result.insert(result.end(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_), trace_.end());
+    result.insert(result.end(), trace_.begin(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_));
+    return result;
+  }
+
+  // A stream handed to torch.kiln.ExternalStream that its owner has destroyed
+  // since. (Pool and default streams are never destroyed.)
+  static bool isExternalStreamGone(const KilnStream& stream) {
+    if (!stream.is_external()) {
+      return false;
+    }
+    int device = 0;
+    return kilnStreamGetDevice(stream.stream(), &device) != kilnSuccess;
+  }
+
   // Best fit among the stream's free blocks of the pool.
   Block* takeCached(FreeList& pool, StreamId stream_id, size_t size) {
     Block key;
@@ -262,6 +478,7 @@ class DeviceCache {
     remaining->size = rest;
     remaining->ptr = static_cast<char*>(block->ptr) + size;
     remaining->is_small = block->is_small;
+    remaining->segment = block->segment;
     remaining->prev = block;
     remaining->next = block->next;
     if (block->next != nullptr) {
@@ -311,6 +528,9 @@ class DeviceCache {
       if (block->prev != nullptr) {
         block->prev->next = block;
       }
+      if (block->segment->head == other) {
+        block->segment->head = block;
+      }
     } else {
       block->next = other->next;
       if (block->next != nullptr) {
@@ -321,18 +541,19 @@ class DeviceCache {
     delete other;
   }
 
-  Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream) {
+  Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream,
+                         const Context& context) {
     void* ptr = nullptr;
-    kilnError_t status = runtimeMalloc(&ptr, size);
+    kilnError_t status = reserve(&ptr, size);
     if (status == kilnErrorMemoryAllocation) {
       // Release the cache and retry once (Note [Kiln caching allocator]).
       stats_.num_alloc_retries++;
-      releaseAllCached();
-      status = runtimeMalloc(&ptr, size);
+      releaseAllCached(context);
+      status = reserve(&ptr, size);
     }
     if (status == kilnErrorMemoryAllocation) {
       stats_.num_ooms++;
-      raiseOutOfMemory(requested);
+      raiseOutOfMemory(requested, size, stream.id(), context);
     }
     KILN_CHECK(status);
     auto* block = new Block();
@@ -341,12 +562,40 @@ class DeviceCache {
     block->size = size;
     block->ptr = ptr;
     block->is_small = is_small;
+    auto* segment = new Segment();
+    segment->head = block;
+    segment->stream_id = stream.id();
+    segment->size = size;
+    segment->is_small = is_small;
+    segment->context_when_allocated = context;
+    block->segment = segment;
+    segments_.insert(segment);
     stats_.num_device_alloc++;
     forEachPoolOf(block, [&](size_t t) {
       stats_.segment[t].increase(1);
       stats_.reserved_bytes[t].increase(size);
     });
+    recordTrace(TraceEntry::SEGMENT_ALLOC, ptr, size, stream.id(), context);
     return block;
+  }
+
+  // Whether a new segment of `size` bytes stays within the per-process limit.
+  bool withinLimit(size_t size) const {
+    if (!limit_.has_value()) {
+      return true;
+    }
+    const auto reserved = static_cast<size_t>(
+        stats_.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].current);
+    return size <= *limit_ && reserved <= *limit_ - size;
+  }
+
+  // A new segment from the runtime; kilnErrorMemoryAllocation also when the
+  // per-process limit would be passed.
+  kilnError_t reserve(void** ptr, size_t size) {
+    if (!withinLimit(size)) {
+      return kilnErrorMemoryAllocation;
+    }
+    return runtimeMalloc(ptr, size);
   }
 
   kilnError_t runtimeMalloc(void** ptr, size_t size) {
@@ -362,7 +611,8 @@ class DeviceCache {
     return status;
   }
 
-  [[noreturn]] void raiseOutOfMemory(size_t requested) {
+  [[noreturn]] void raiseOutOfMemory(size_t requested, size_t segment_size, StreamId stream_id,
+                                     const Context& context) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     {
@@ -375,9 +625,28 @@ class DeviceCache {
     const auto agg = static_cast<size_t>(StatType::AGGREGATE);
     const auto allocated = static_cast<uint64_t>(stats_.allocated_bytes[agg].current);
     const auto reserved = static_cast<uint64_t>(stats_.reserved_bytes[agg].current);
+    recordTrace(TraceEntry::OOM, reinterpret_cast<void*>(free_bytes), requested, stream_id, context);
     c10::reportOutOfMemoryToProfiler(
         static_cast<int64_t>(requested), allocated, reserved,
         Device(DeviceType::PrivateUse1, device_));
+    if (!withinLimit(segment_size)) {
+      std::ostringstream fraction;
+      fraction << fraction_;
+      TORCH_CHECK_WITH(
+          OutOfMemoryError, false,
+          "Kiln out of memory. Tried to allocate ", format_size(requested), " (", requested,
+          " bytes) on kiln:", static_cast<int>(device_),
+          segment_size > roundSize(requested) ? ", which needs a new segment of " : "",
+          segment_size > roundSize(requested) ? format_size(segment_size) : "",
+          ", but this process may reserve at most ",
+          format_size(*limit_), " there (torch.kiln.set_per_process_memory_fraction(",
+          fraction.str(), ") of its ", format_size(total_bytes), " capacity) and ",
+          format_size(reserved), " is reserved already. Of the memory in use, ",
+          format_size(allocated), " is allocated by PyTorch, and ",
+          format_size(reserved > allocated ? reserved - allocated : 0),
+          " is reserved by PyTorch but unallocated. Free tensors you no longer need, use smaller "
+          "batches, or raise the limit with torch.kiln.set_per_process_memory_fraction.");
+    }
     TORCH_CHECK_WITH(
         OutOfMemoryError, requested > free_bytes,
         "Kiln out of memory: the host could not provide ", format_size(requested), " (", requested,
@@ -398,7 +667,10 @@ class DeviceCache {
 
   // A block no longer allocated and not waited on joins its free list,
   // merged with its free neighbours.
-  void deactivate(Block* block) {
+  void deactivate(Block* block, const Context& context) {
+    recordTrace(TraceEntry::FREE_COMPLETED, block->ptr, block->requested, block->stream_id,
+                context, block->context_when_allocated);
+    block->context_when_allocated = nullptr;
     forEachPoolOf(block, [&](size_t t) {
       stats_.active[t].decrease(1);
       stats_.active_bytes[t].decrease(block->size);
@@ -412,14 +684,14 @@ class DeviceCache {
     insertFree(block);
   }
 
-  void processEvents() {
+  void processEvents(const Context& context) {
     while (!pending_.empty()) {
       auto& [event, block] = pending_.front();
       if (!event.query()) {
         break;
       }
       if (--block->pending_events == 0) {
-        deactivate(block);
+        deactivate(block, context);
       }
       pending_.pop_front();
     }
@@ -431,7 +703,7 @@ class DeviceCache {
   // the working set (this waits for the device, like empty_cache; it happens
   // while a program's allocation pattern settles, typically in its first
   // steps).
-  void releaseSmallerSegments(StreamId stream_id, size_t size) {
+  void releaseSmallerSegments(StreamId stream_id, size_t size, const Context& context) {
     std::vector<Block*> whole;
     for (Block* block : large_free_) {
       if (block->stream_id == stream_id && !isSplit(block) && block->size < size) {
@@ -444,37 +716,41 @@ class DeviceCache {
     stats_.num_sync_all_streams++;
     for (Block* block : whole) {
       large_free_.erase(block);
-      releaseSegment(block);
+      releaseSegment(block, context);
     }
   }
 
-  void releaseSegment(Block* block) {
+  void releaseSegment(Block* block, const Context& context) {
     KILN_CHECK(kilnFree(block->ptr)); // waits for the device (see runtime.h)
     stats_.num_device_free++;
     forEachPoolOf(block, [&](size_t t) {
       stats_.segment[t].decrease(1);
       stats_.reserved_bytes[t].decrease(block->size);
     });
+    recordTrace(TraceEntry::SEGMENT_FREE, block->ptr, block->size, block->segment->stream_id,
+                context);
+    segments_.erase(block->segment);
+    delete block->segment;
     delete block;
   }
 
   // Waits for the blocks held back by other streams' work (record_stream),
   // caches them, then returns every whole free segment to the runtime.
-  void releaseAllCached() {
+  void releaseAllCached(const Context& context) {
     for (auto& [event, block] : pending_) {
       event.synchronize();
       if (--block->pending_events == 0) {
-        deactivate(block);
+        deactivate(block, context);
       }
     }
     pending_.clear();
-    releaseCached(small_free_);
-    releaseCached(large_free_);
+    releaseCached(small_free_, context);
+    releaseCached(large_free_, context);
   }
 
   // Returns the pool's whole free segments to the runtime (a segment with
   // an allocated block stays).
-  void releaseCached(FreeList& pool) {
+  void releaseCached(FreeList& pool, const Context& context) {
     bool released = false;
     for (auto it = pool.begin(); it != pool.end();) {
       Block* block = *it;
@@ -487,7 +763,7 @@ class DeviceCache {
         released = true;
       }
       it = pool.erase(it);
-      releaseSegment(block);
+      releaseSegment(block, context);
     }
   }
 
@@ -497,7 +773,30 @@ class DeviceCache {
   FreeList large_free_;
   std::deque<std::pair<KilnEvent, Block*>> pending_;
   DeviceStats stats_;
+  std::unordered_set<Segment*> segments_; // every segment (Note [Kiln memory history])
+
+  // Per-process memory fraction (Note [Kiln caching allocator]).
+  double fraction_ = 1.0;
+  std::optional<size_t> limit_; // bytes the allocator may reserve; none if fraction_ is 1
+
+  // Recording (Note [Kiln memory history]). The atomics are read without
+  // mutex_ by maybeGatherContext; the rest is guarded by mutex_.
+  std::atomic<CreateContextFn> context_recorder_{nullptr};
+  std::atomic<int> record_context_{static_cast<int>(RecordContext::NEVER)};
+  bool record_history_ = false;
+  std::array<bool, kNumTraceActions> skip_actions_{};
+  std::vector<TraceEntry> trace_; // ring buffer of at most trace_max_ entries
+  size_t trace_next_ = 0;         // oldest entry once the buffer is full
+  size_t trace_max_ = 1;
 };
+
+// Converts the trace's approximate timestamps to wall-clock time; created
+// with the allocator so it spans the whole recording (as CUDA's does).
+c10::ApproximateClockToUnixTimeConverter& clockConverter() {
+  static auto* converter = new c10::ApproximateClockToUnixTimeConverter();
+  return *converter;
+}
+const bool g_clock_started = (clockConverter(), true);
 
 DeviceCache& deviceCache(DeviceIndex device) {
   // Leaked on purpose: blocks may be freed during static destruction.
@@ -598,6 +897,55 @@ void resetPeakStats(DeviceIndex device) {
 void resetAccumulatedStats(DeviceIndex device) {
   check_device_index(device);
   deviceCache(device).resetAccumulated();
+}
+
+void setMemoryFraction(double fraction, DeviceIndex device) {
+  check_device_index(device);
+  TORCH_CHECK_VALUE(
+      fraction >= 0.0 && fraction <= 1.0, "Invalid memory fraction ", fraction,
+      " for kiln:", static_cast<int>(device), ": it must be between 0 and 1 (the share of the "
+      "device's capacity this process may reserve).");
+  deviceCache(device).setMemoryFraction(fraction, getMemoryInfo(device).second);
+}
+
+double getMemoryFraction(DeviceIndex device) {
+  check_device_index(device);
+  return deviceCache(device).memoryFraction();
+}
+
+void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
+                   RecordContext when, bool clear_history,
+                   const std::vector<TraceEntry::Action>& skip_actions) {
+  TORCH_CHECK(when == RecordContext::NEVER || recorder != nullptr,
+              "recordHistory: a context recorder is needed to record contexts");
+  std::array<bool, kNumTraceActions> skip{};
+  for (const TraceEntry::Action action : skip_actions) {
+    skip[static_cast<size_t>(action)] = true;
+  }
+  for (const auto device : c10::irange(device_count())) {
+    deviceCache(device).recordHistory(enabled, recorder, max_entries, when, clear_history, skip);
+  }
+}
+
+SnapshotInfo snapshot(bool include_traces) {
+  SnapshotInfo result;
+  const DeviceIndex count = device_count();
+  for (const auto device : c10::irange(count)) {
+    const size_t first = result.segments.size();
+    deviceCache(device).snapshot(result.segments);
+    std::sort(result.segments.begin() + static_cast<std::ptrdiff_t>(first), result.segments.end(),
+              [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  }
+  auto to_ns = clockConverter().makeConverter();
+  for (const auto device : c10::irange(count)) {
+    result.device_traces.push_back(include_traces ? deviceCache(device).trace(to_ns)
+                                                  : std::vector<TraceEntry>{});
+  }
+  return result;
+}
+
+AllocatorSettings allocatorSettings() {
+  return {kMinBlockSize, kSmallSize, kSmallSegment};
 }
 
 std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) {

@@ -8,12 +8,15 @@
 //
 // Errors: an allocation the device cannot satisfy even after releasing the
 // cache raises c10::OutOfMemoryError (torch.OutOfMemoryError) naming the
-// device, the request, and the allocated/reserved/free/total figures.
+// device, the request, and the allocated/reserved/free/total figures (and the
+// per-process limit, if set_per_process_memory_fraction set one).
 // Thread-safety: all functions are thread-safe (one mutex per device).
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <c10/core/CachingDeviceAllocator.h>
 
@@ -39,5 +42,59 @@ void resetAccumulatedStats(DeviceIndex device);
 
 // (free, total) bytes of the device, as the runtime reports them.
 std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device);
+
+// --- Per-process memory fraction (torch.kiln.set_per_process_memory_fraction)
+//
+// Limits the memory the allocator may reserve on `device` to
+// fraction * capacity bytes (capacity: KILN_DEVICE_MEMORY), as CUDA's
+// setMemoryFraction does: a request that would need a new segment beyond the
+// limit first releases the cache, then raises c10::OutOfMemoryError naming the
+// limit. Memory already reserved is not released when the limit shrinks.
+// fraction 1 removes the limit. Throws c10::ValueError unless 0 <= fraction <= 1
+// and c10::Error for a bad device index.
+void setMemoryFraction(double fraction, DeviceIndex device);
+// The fraction last set for `device` (1.0 if never set).
+double getMemoryFraction(DeviceIndex device);
+
+// --- Memory history and snapshots (torch.kiln.memory._record_memory_history,
+// _snapshot). See Note [Kiln memory history] in KilnCachingAllocator.cc.
+//
+// The types are c10's (c10/core/CachingDeviceAllocator.h), which CUDA's and
+// XPU's allocators use too. TraceEntry::stream_ and SegmentInfo::stream hold
+// the c10 stream id (torch.kiln.Stream.stream_id; 0 is the default stream),
+// not a pointer.
+using c10::CachingDeviceAllocator::CreateContextFn;
+using c10::CachingDeviceAllocator::RecordContext;
+using c10::CachingDeviceAllocator::SegmentInfo;
+using c10::CachingDeviceAllocator::TraceEntry;
+
+// Starts or stops recording on every device. `recorder` (required unless
+// `when` is NEVER) gathers a stack context; it is called outside the
+// allocator's locks, on the thread that allocates or frees. `max_entries`
+// bounds the trace of each device (a ring buffer keeping the newest entries;
+// at least 1). Disabling, or `clear_history`, empties the traces.
+// `skip_actions` lists actions not to record.
+void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
+                   RecordContext when, bool clear_history,
+                   const std::vector<TraceEntry::Action>& skip_actions);
+
+struct SnapshotInfo {
+  std::vector<SegmentInfo> segments;              // every device, sorted by (device, address)
+  std::vector<std::vector<TraceEntry>> device_traces; // one per device, oldest first;
+                                                  // time_.t_ in microseconds since the epoch
+};
+
+// The state of every device's allocator: its segments with their blocks, and
+// the recorded traces (empty unless recording is on, or if `include_traces` is
+// false). Records a SNAPSHOT trace entry while recording.
+SnapshotInfo snapshot(bool include_traces = true);
+
+// Kiln's allocator constants, for the snapshot's "allocator_settings".
+struct AllocatorSettings {
+  size_t min_block_size;     // allocation granularity (bytes)
+  size_t small_size;         // largest request served by the small pool (bytes)
+  size_t small_segment_size; // size of a small-pool segment (bytes)
+};
+AllocatorSettings allocatorSettings();
 
 } // namespace c10::kiln::KilnCachingAllocator

@@ -25,6 +25,14 @@ namespace c10::kiln {
 // so a stream id stays meaningful for the life of the process and can be
 // packed into a Python object and back. Unlike CUDA, a device has few streams
 // because each runtime stream owns a worker thread.
+//
+// External streams (torch.kiln.ExternalStream) are runtime streams created
+// outside the torch layer. As in CUDA (c10/cuda/CUDAStream.cpp, StreamIdType
+// EXT), their id is the runtime handle itself: ids from kMinExternalStreamId
+// up, which neither the dense ids above nor any valid handle overlap. Nothing
+// is registered for them, so handling one costs nothing on the launch path;
+// the runtime validates the handle on every call, so a stream destroyed by its
+// owner fails cleanly ("stream ... has been destroyed"), never crashes.
 
 namespace {
 
@@ -87,12 +95,16 @@ KilnStream::KilnStream(Stream stream) : stream_(stream) {
       stream_.device_type() == DeviceType::PrivateUse1,
       "Expected a kiln stream, got a stream on ", stream_.device());
   TORCH_CHECK(
-      stream_.id() >= 0 && stream_.id() < kStreamsPerDevice,
+      (stream_.id() >= 0 && stream_.id() < kStreamsPerDevice) ||
+          stream_.id() >= kMinExternalStreamId,
       "Invalid kiln stream id ", stream_.id(), " (allowed 0 to ",
-      kStreamsPerDevice - 1, ")");
+      kStreamsPerDevice - 1, ", or the id of a torch.kiln.ExternalStream)");
 }
 
 kilnStream_t KilnStream::stream() const {
+  if (C10_UNLIKELY(is_external())) {
+    return reinterpret_cast<kilnStream_t>(static_cast<intptr_t>(id()));
+  }
   auto& streams = deviceStreams(device_index());
   auto& slot = streams.handles[static_cast<size_t>(id())];
   kilnStream_t handle = slot.load(std::memory_order_acquire);
@@ -109,6 +121,11 @@ kilnStream_t KilnStream::stream() const {
 }
 
 int KilnStream::priority() const {
+  if (is_external()) {
+    int priority = 0;
+    KILN_CHECK(kilnStreamGetPriority(stream(), &priority));
+    return priority;
+  }
   return priorityOfId(id());
 }
 
@@ -156,6 +173,39 @@ KilnStream getStreamFromPool(int priority, DeviceIndex device) {
       streams.next_in_pool[static_cast<size_t>(level)].fetch_add(1) % kStreamsPerPool;
   const StreamId id = 1 + level * kStreamsPerPool + static_cast<StreamId>(index);
   return KilnStream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device), id));
+}
+
+KilnStream getStreamFromExternal(kilnStream_t handle, DeviceIndex device) {
+  int stream_device = -1;
+  const kilnError_t status = kilnStreamGetDevice(handle, &stream_device);
+  TORCH_CHECK_VALUE(
+      status == kilnSuccess, "torch.kiln.ExternalStream: ", static_cast<const void*>(handle),
+      " is not a live kiln runtime stream (", kilnGetLastErrorMessage(),
+      "). Pass a kilnStream_t from kilnStreamCreate or kilnStreamGetDefault, or another "
+      "stream's .kiln_stream, and keep that stream alive while it is used.");
+  if (device >= 0) {
+    check_device_index(device);
+    TORCH_CHECK_VALUE(
+        device == stream_device, "torch.kiln.ExternalStream: stream ",
+        static_cast<const void*>(handle), " belongs to kiln:", stream_device, ", not kiln:",
+        static_cast<int>(device), ". Pass device=", stream_device, " or leave device unset.");
+  }
+  const auto d = static_cast<DeviceIndex>(stream_device);
+  const Device kiln_device(DeviceType::PrivateUse1, d);
+  // The torch layer's own streams keep their ids, so the wrapper equals them.
+  if (handle == nullptr || handle == getDefaultKilnStream(d).stream()) {
+    return KilnStream(Stream(Stream::UNSAFE, kiln_device, 0));
+  }
+  auto& streams = deviceStreams(d);
+  for (int id = 1; id < kStreamsPerDevice; ++id) {
+    if (streams.handles[static_cast<size_t>(id)].load(std::memory_order_acquire) == handle) {
+      return KilnStream(Stream(Stream::UNSAFE, kiln_device, id));
+    }
+  }
+  const auto id = static_cast<StreamId>(reinterpret_cast<intptr_t>(handle));
+  TORCH_CHECK_VALUE(id >= kMinExternalStreamId, "torch.kiln.ExternalStream: ",
+                    static_cast<const void*>(handle), " cannot be a kiln stream handle");
+  return KilnStream(Stream(Stream::UNSAFE, kiln_device, id));
 }
 
 std::optional<StreamId> streamIdOfRuntimeStream(DeviceIndex device, uint64_t runtime_id) {

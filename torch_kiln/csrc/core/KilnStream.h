@@ -8,8 +8,12 @@
 // (torch.kiln.set_stream / `with torch.kiln.stream(s)`).
 //
 // See Note [Kiln stream ids] in KilnStream.cc for how ids map to runtime
-// streams. Streams are never destroyed (like CUDA's pool streams), so a
-// KilnStream value stays valid for the life of the process.
+// streams. The default and pool streams are never destroyed (like CUDA's pool
+// streams), so such a KilnStream value stays valid for the life of the
+// process. An external stream (getStreamFromExternal, torch.kiln.ExternalStream)
+// wraps a runtime stream someone else created; it stays valid while its owner
+// keeps the runtime stream alive, and work on it after that fails with the
+// runtime's "stream has been destroyed" error.
 //
 // Thread-safety: all functions are thread-safe; the current stream is per
 // thread and per device.
@@ -30,6 +34,9 @@ namespace c10::kiln {
 constexpr int kStreamsPerPool = 4;
 // Priority levels: 0 (normal) and -1 (high), as CUDA reports for its range.
 constexpr int kStreamPriorityLevels = 2;
+// Stream ids from here up are runtime handles of external streams (no valid
+// handle is below it: the first page is never mapped).
+constexpr StreamId kMinExternalStreamId = 4096;
 
 class KilnStream {
  public:
@@ -53,6 +60,10 @@ class KilnStream {
 
   // The runtime handle of this stream (created on first use).
   kilnStream_t stream() const;
+
+  // True for a stream wrapping a runtime handle from outside the torch layer
+  // (its id is the handle, Note [Kiln stream ids]).
+  bool is_external() const noexcept { return id() >= kMinExternalStreamId; }
 
   // Lower number = higher priority (0 normal, -1 high).
   int priority() const;
@@ -79,6 +90,16 @@ KilnStream getCurrentKilnStream(DeviceIndex device = -1);
 void setCurrentKilnStream(KilnStream stream);
 // A stream from the device's pool, round-robin within a priority level.
 KilnStream getStreamFromPool(int priority = 0, DeviceIndex device = -1);
+
+// The stream of a runtime handle created outside the torch layer (say by a
+// library calling kilnStreamCreate), like c10::cuda::getStreamFromExternal.
+// NULL names the default stream of the current device, as in the runtime API.
+// A handle of the torch layer's own streams gives that stream (same id).
+// `device` (-1: the stream's own) must be the device the stream belongs to.
+// Throws c10::ValueError if the runtime does not know the handle (never
+// created, or destroyed) or it belongs to another device. The caller keeps the
+// runtime stream alive while the KilnStream is used.
+KilnStream getStreamFromExternal(kilnStream_t handle, DeviceIndex device = -1);
 
 // The id (c10::Stream::id()) of the stream of `device` whose runtime stream
 // has kilnStreamGetId `runtime_id`, or nullopt if the torch layer has not

@@ -18,6 +18,7 @@
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
 #include "python/HostWaitInterrupts.h"
+#include "python/MemoryTools.h"
 #include "python/StorageSharing.h"
 
 namespace py = pybind11;
@@ -108,6 +109,13 @@ PYBIND11_MODULE(_C, m) {
                c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, 0), stream_id))
         .priority();
   });
+  m.def("_stream_from_external", [](uintptr_t handle, int device) {
+    // torch.kiln.ExternalStream: (stream_id, device_index, device_type).
+    const auto stream = c10::kiln::getStreamFromExternal(
+        reinterpret_cast<kilnStream_t>(handle), static_cast<c10::DeviceIndex>(device));
+    return py::make_tuple(stream.id(), static_cast<int>(stream.device_index()),
+                          static_cast<int>(stream.device_type()));
+  });
   m.def("_event_elapsed_time", [](uint64_t start, uint64_t end) {
     TORCH_CHECK(start != 0 && end != 0,
                 "Both events must be recorded before calculating elapsed time.");
@@ -155,4 +163,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
   m.def("_clear_op_tracking", &at::kiln::clearOpTracking);
+  torch_kiln::initMemoryToolsBindings(m);
 }
