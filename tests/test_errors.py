@@ -67,3 +67,44 @@ def test_reduction_of_an_empty_tensor_raises_at_the_call_without_a_sync(reductio
         reduction(torch.empty(0))
     assert str(on_kiln.value) == str(on_cpu.value)
     assert torch.kiln.get_sync_ops() == {}
+
+
+_SAME_BAD_INDEX_TWICE = """
+import json, torch
+x = torch.arange(4.0, device='kiln')
+bad = torch.tensor([0, 9], device='kiln')
+seen = []
+def attempt():
+    where = 'call'
+    try:
+        torch.index_select(x, 0, bad)
+        where = 'synchronize'
+        torch.kiln.synchronize()
+        seen.append(['none', '', ''])
+    except Exception as e:
+        seen.append([where, type(e).__name__, str(e)])
+attempt()  # the first call of its kind: run at once (a layout check)
+torch.index_select(x, 0, torch.tensor([1], device='kiln'))  # a good one: later calls are asynchronous
+torch.kiln.synchronize()
+attempt()
+try:
+    torch.index_select(x.cpu(), 0, bad.cpu())
+except Exception as e:
+    seen.append(['cpu', type(e).__name__, str(e)])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("launch_blocking", ["0", "1"])
+def test_a_bad_index_raises_the_same_error_at_the_first_call_and_at_synchronization(launch_blocking):
+    import json
+    from conftest import run_python
+    result = run_python(_SAME_BAD_INDEX_TWICE, {"KILN_LAUNCH_BLOCKING": launch_blocking})
+    assert result.returncode == 0, result.stderr
+    (first_where, first_type, first), (later_where, later_type, later), (_, cpu_type, cpu) = \
+        json.loads(result.stdout)
+    assert first_where == "call"  # the synchronous layout check
+    assert later_where == ("call" if launch_blocking == "1" else "synchronize")
+    assert first_type == later_type == cpu_type == "IndexError"
+    assert first == later  # same type and message whichever way the kernel ran
+    assert "aten::index_select: inputs (Float[4], Long[2])" in first and cpu in first

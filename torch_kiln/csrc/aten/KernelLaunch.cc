@@ -15,11 +15,6 @@
 namespace at::kiln {
 namespace {
 
-// The exception of the last task that failed on this thread. With
-// KILN_LAUNCH_BLOCKING=1 tasks run on the launching thread, which rethrows it
-// so the error keeps its type (IndexError, ...).
-thread_local std::exception_ptr inline_task_error;
-
 // The failure of the last task that failed on this (worker) thread: kernels
 // the runtime then skips on the same stream are released on this thread, and
 // name it as their cause (Note [Results of failed kernels]).
@@ -295,26 +290,41 @@ void KernelLaunch::run() {
   }
 }
 
+void appendInputDescription(std::string& text, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+  text += text.empty() ? "inputs (" : ", ";
+  text += c10::toString(dtype);
+  text += "[";
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    text += (k ? ", " : "") + std::to_string(sizes[k]);
+  }
+  text += "]";
+}
+
+std::string finishInputDescription(std::string text) {
+  return text.empty() ? "inputs ()" : text + ")";
+}
+
 // "inputs (Float[4, 3], Long[2])" — the runtime prefixes the op's name.
 std::string KernelLaunch::describe() const {
-  std::string text = "inputs (";
-  bool first = true;
-  const size_t end = output_count_ > 0 ? first_output_ : used_descriptors_;
-  for (size_t i = 0; i < end; ++i) {
-    const TensorDescriptor& d = descriptors_[i];
-    if (!d.defined) {
-      continue;
+  std::string text;
+  for (size_t a = 0; a < arguments_.size(); ++a) {
+    if (info_->arg_is_out[a]) {
+      continue; // outputs, not inputs
     }
-    const auto dtype = d.host_tensor.defined() ? d.host_tensor.scalar_type() : d.dtype;
-    const auto sizes = d.host_tensor.defined() ? d.host_tensor.sizes() : c10::IntArrayRef(d.sizes);
-    text += (first ? "" : ", ") + std::string(c10::toString(dtype)) + "[";
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      text += (k ? ", " : "") + std::to_string(sizes[k]);
+    const Argument& argument = arguments_[a];
+    for (uint32_t i = argument.first; i < argument.first + argument.count; ++i) {
+      const TensorDescriptor& d = descriptors_[i];
+      if (!d.defined) {
+        continue;
+      }
+      if (d.host_tensor.defined()) {
+        appendInputDescription(text, d.host_tensor.scalar_type(), d.host_tensor.sizes());
+      } else {
+        appendInputDescription(text, d.dtype, d.sizes);
+      }
     }
-    text += "]";
-    first = false;
   }
-  return text + ")";
+  return finishInputDescription(std::move(text));
 }
 
 void KernelLaunch::markWrittenAsFailed(const std::string& reason) const {
@@ -376,14 +386,11 @@ kilnError_t KernelLaunch::runTask(void* self) {
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
     return kilnSuccess;
-  } catch (const c10::Error& e) {
-    inline_task_error = std::current_exception();
-    message = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    inline_task_error = std::current_exception();
-    message = e.what();
+    // Note [Kernel errors keep their type]
+    kilnTaskSetErrorClass(static_cast<int>(c10::kiln::kernelErrorClassOf(e)));
+    message = c10::kiln::kernelErrorMessageOf(e);
   } catch (...) {
-    inline_task_error = std::current_exception();
     message = "unknown C++ exception";
   }
   message = record->describe() + ": " + message;
@@ -416,14 +423,11 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
     propagateFailedResults();
   }
   threads_ = issuingThreadCount();
-  // On failure the runtime has already called releaseTask.
-  inline_task_error = nullptr;
-  const kilnError_t status = kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
-                                            info_->schema->name().c_str());
-  if (status == kilnErrorLaunchFailure && inline_task_error) {
-    std::rethrow_exception(std::exchange(inline_task_error, nullptr));
-  }
-  KILN_CHECK(status);
+  // On failure the runtime has already called releaseTask. With
+  // KILN_LAUNCH_BLOCKING=1 a failed kernel fails its launch: raised here with
+  // its own type (Note [Kernel errors keep their type]).
+  KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
+                            info_->schema->name().c_str()));
 }
 
 } // namespace at::kiln

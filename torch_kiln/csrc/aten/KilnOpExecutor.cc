@@ -24,6 +24,7 @@
 #include "aten/OpTracking.h"
 #include "aten/TensorAliases.h"
 #include "core/KilnFunctions.h"
+#include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStorage.h"
 #include "core/KilnStream.h"
@@ -236,6 +237,23 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
     }
   }
   return *device;
+}
+
+// "inputs (Float[4], Long[2])", as a failed kernel launch names them
+// (KernelLaunch::describe).
+std::string describeInputs(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  std::string text;
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_is_out[i]) {
+      continue;
+    }
+    forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      if (t.defined()) {
+        appendInputDescription(text, t.scalar_type(), t.sizes());
+      }
+    });
+  }
+  return finishInputDescription(std::move(text));
 }
 
 // Whether an input (not an out= tensor, which composites pass empty) has no
@@ -514,7 +532,10 @@ struct LayoutProbe {
 
 // Runs the CPU kernel now and waits (Note [How an eager op runs on kiln],
 // step 4). With `probe`, also records what the run shows about layouts
-// (Note [Meta layouts and CPU layouts]).
+// (Note [Meta layouts and CPU layouts]); such a run stands in for an
+// asynchronous launch, so a failure raises what that launch would have raised
+// at synchronization (Note [Kernel errors keep their type]). Without, the
+// kernel's error is raised as the kernel raised it, as on CPU.
 void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                       Stack* stack, size_t first, c10::Device device,
                       LayoutProbe* probe = nullptr) {
@@ -558,6 +579,16 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
              });
   stream.synchronize();
   if (outcome->error) {
+    if (probe != nullptr) {
+      try {
+        std::rethrow_exception(outcome->error);
+      } catch (const std::exception& e) {
+        c10::kiln::throwKernelFailure(
+            info.schema->name(),
+            describeInputs(info, *stack, first) + ": " + c10::kiln::kernelErrorMessageOf(e),
+            c10::kiln::kernelErrorClassOf(e));
+      }
+    }
     std::rethrow_exception(outcome->error);
   }
 
