@@ -108,3 +108,23 @@ def test_a_bad_index_raises_the_same_error_at_the_first_call_and_at_synchronizat
     assert first_type == later_type == cpu_type == "IndexError"
     assert first == later  # same type and message whichever way the kernel ran
     assert "aten::index_select: inputs (Float[4], Long[2])" in first and cpu in first
+
+
+@pytest.mark.parametrize("op", [
+    lambda d: torch.ones(3, 3, dtype=torch.bool, device=d) @ torch.ones(3, 3, dtype=torch.bool, device=d),
+    lambda d: torch.ones(3, device=d).bitwise_and(torch.ones(3, device=d)),
+    lambda d: torch.zeros(3, dtype=torch.int64, device=d).normal_(),
+    lambda d: torch.ones(2, 3, dtype=torch.int64, device=d).softmax(-1),
+], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax"])
+def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
+    with pytest.raises(Exception) as on_cpu:
+        op("cpu")
+    torch.kiln.synchronize()
+    for _ in range(2):  # the first call of its kind and a later one
+        before = torch.arange(3.0, device="kiln") * 2  # queued ahead of the bad op
+        with pytest.raises(type(on_cpu.value)) as on_kiln:
+            op("kiln")
+        assert str(on_kiln.value) == str(on_cpu.value)  # e.g. "... not implemented for 'Bool'"
+        torch.kiln.synchronize()  # nothing left to raise; earlier work was not skipped
+        assert before.tolist() == [0.0, 2.0, 4.0]
+

@@ -2,6 +2,7 @@
 // tensors that has no dedicated kiln kernel.
 #include "aten/KilnOpExecutor.h"
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <string>
@@ -9,10 +10,12 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -101,6 +104,41 @@ namespace at::kiln {
 // PyTorch's generated wrapper runs their C++ meta function, allocates through
 // kiln, and calls the out= kernel, whose generated code honours any output
 // layout.
+
+// Note [Dtype errors at the call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A meta kernel checks shapes, not whether the CPU kernel's dtype dispatch
+// covers the arguments' dtypes: `bool @ bool` passes mm's meta function and
+// fails inside the kernel (AT_DISPATCH raises NotImplementedError
+// "\"addmm_impl_cpu_\" not implemented for 'Bool'"). CPU and CUDA raise that at
+// the call; on kiln the kernel runs on the device, so it would surface at the
+// next synchronization and the work queued behind it would be skipped.
+// PyTorch has no table of the dtypes a kernel supports, so Kiln asks the
+// kernel: the first time an aten op meets a layout class (the dtypes, ranks,
+// formats and flags of its arguments, LayoutCache::layoutClassOf), before its
+// first launch in that class, the CPU kernel runs on the calling thread on
+// *tiny images* of the arguments — zero-filled host tensors of the same
+// dtypes and ranks with every dimension cut to at most one element, other
+// arguments as given, a throwaway generator for random ops, warnings
+// discarded. If that raises NotImplementedError or TypeError, the class is
+// marked unsupported and its calls run synchronously on the real arguments,
+// which raises CPU's own error, unchanged, at the call (if that run succeeds
+// after all, the tiny images misled the probe and the class is cleared). Any
+// other outcome — success, or an error the tiny shapes caused — leaves the
+// class to the asynchronous path. The verdict is remembered per layout class
+// (LayoutCache::dtypeSupport), so the probe costs one tiny kernel per op and
+// class, on a layout-cache miss; calls served from the layout cache pay
+// nothing and nothing ever synchronizes for it. Limits: a dtype check that
+// sits behind a check the tiny images fail (a grouped convolution's channel
+// count, say) is not reached, and its error still surfaces at
+// synchronization; a TORCH_WARN_ONCE the probe reaches first is lost. Not
+// probed (OpSchemaInfo's checks_dtypes_at_call): custom (non-aten) ops, whose
+// kernels may have side effects; ops with integer arguments other than
+// dimensions and modes (sizes, lengths, counts: ctc_loss's input_lengths,
+// group_norm's N, C and HxW), which a kernel may trust, unchecked, to match
+// its tensors' shapes, so tiny images could make it read out of bounds; ops
+// taking LAPACK pivots, which are 1-based. Their dtype errors surface where
+// their kernels run (at the call for a first call's layout check).
 
 namespace {
 
@@ -417,6 +455,49 @@ std::optional<Stack> emptyHostImages(const OpSchemaInfo& info, const Stack& stac
     return std::nullopt;
   }
   return images;
+}
+
+// ---------------------------------------------------------------- dtypes
+
+// A zero-filled host tensor with `t`'s dtype and rank and every dimension cut
+// to at most one element; host tensors (scalars) as they are.
+at::Tensor tinyImageOf(const at::Tensor& t) {
+  if (!t.defined() || t.device().is_cpu()) {
+    return t;
+  }
+  c10::SmallVector<int64_t, 6> sizes;
+  for (const int64_t size : t.sizes()) {
+    sizes.push_back(std::min<int64_t>(size, 1));
+  }
+  return at::zeros(sizes, at::TensorOptions().dtype(t.scalar_type()));
+}
+
+// Note [Dtype errors at the call]: whether the CPU kernel rejects the
+// arguments' dtypes, judged by a run on tiny images.
+LayoutCache::DtypeSupport probeDtypes(const c10::OperatorHandle& op, const OpSchemaInfo& info,
+                                      const Stack& stack, size_t first) {
+  struct DiscardingHandler final : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+  };
+  Stack args = argumentImages(info, stack, first, c10::kCPU,
+                              [](const at::Tensor& t, bool) { return tinyImageOf(t); });
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_kinds[i] == ArgKind::Generator) {
+      args[i] = c10::IValue(at::detail::createCPUGenerator()); // leaves the user's untouched
+    }
+  }
+  DiscardingHandler handler;
+  try {
+    c10::WarningUtils::WarningHandlerGuard guard(&handler);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+  } catch (const c10::NotImplementedError&) {
+    return LayoutCache::DtypeSupport::Unsupported;
+  } catch (const c10::TypeError&) {
+    return LayoutCache::DtypeSupport::Unsupported;
+  } catch (const std::exception&) {
+    // An error of the tiny shapes or values: no verdict on the dtypes.
+  }
+  return LayoutCache::DtypeSupport::Supported;
 }
 
 // ---------------------------------------------------------------- outputs
@@ -745,13 +826,29 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   const MetaOutcome* cached = signature ? LayoutCache::find(*signature) : nullptr;
   MetaOutcome computed;
   if (cached == nullptr) {
+    std::optional<LayoutCache::Signature> layout_class;
+    if (info.checks_dtypes_at_call) {
+      // Note [Dtype errors at the call]
+      layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      auto support = LayoutCache::dtypeSupport(*layout_class);
+      if (support == LayoutCache::DtypeSupport::Unknown) {
+        support = probeDtypes(op, info, *stack, first);
+        LayoutCache::setDtypeSupport(*layout_class, support);
+      }
+      if (support == LayoutCache::DtypeSupport::Unsupported) {
+        runSynchronously(op, info, stack, first, device); // raises CPU's error
+        LayoutCache::setDtypeSupport(*layout_class, LayoutCache::DtypeSupport::Supported);
+        return;
+      }
+    }
     // Note [Verifying meta kernels]: is the meta kernel's layout CPU's?
     auto trust = LayoutCache::MetaTrust::Trusted;
-    std::optional<LayoutCache::Signature> layout_class;
     if (info.layouts_from_cpu.load(std::memory_order_relaxed) || !info.has_meta_kernel) {
       trust = LayoutCache::MetaTrust::Untrusted;
     } else if (info.has_fresh_returns || hasEmptyOutArgument(info, *stack, first)) {
-      layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      if (!layout_class) {
+        layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      }
       trust = layout_class ? LayoutCache::trust(*layout_class) : LayoutCache::MetaTrust::Untrusted;
     }
     LayoutProbe probe;
