@@ -2,6 +2,8 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -179,6 +181,41 @@ bool matchesDescriptor(const at::Tensor& t, const TensorDescriptor& d) {
   return true;
 }
 
+// Note [Out= arguments are resized at the call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An out= argument gets its final layout on the calling thread: the meta
+// kernel resizes its meta image (warning there, as CPU does, if a tensor
+// with elements changes shape) and the executor gives the kiln tensor that
+// layout before launching. When the CPU out= kernel then runs on the worker,
+// PyTorch's structured wrapper runs the op's meta function again on the
+// host alias, and some meta functions resize the output through an
+// intermediate shape: mse_loss's (like smooth_l1_loss's and huber_loss's)
+// sizes it as the elementwise loss, then resize_({}) for a reduction. On an
+// output that already has its final shape, [] (one element), the first step
+// warns "An output with one or more elements was resized since it had shape
+// []". CPU never shows it for F.mse_loss, whose functional kernel allocates
+// its own output; kiln reaches the out= kernel because PyTorch's
+// CompositeExplicitAutogradNonFunctional wrapper of a structured op
+// preallocates the output and calls the out= variant. So warnings about
+// resizing an out= argument are dropped on the worker: the user-facing one
+// was given at the call.
+constexpr std::string_view kOutputResizedWarning = "An output with one or more elements was resized";
+
+class OutResizeWarningFilter final : public c10::WarningHandler {
+ public:
+  OutResizeWarningFilter() : next_(c10::WarningUtils::get_warning_handler()), guard_(this) {}
+  void process(const c10::Warning& warning) override {
+    if (std::string_view(warning.msg()).substr(0, kOutputResizedWarning.size()) !=
+        kOutputResizedWarning) {
+      next_->process(warning);
+    }
+  }
+
+ private:
+  c10::WarningHandler* next_; // set before guard_ installs this handler
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+
 // The meta kernel's layout was not the CPU kernel's: from now on this op
 // takes its layouts from CPU runs (Note [Meta layouts and CPU layouts]).
 void learnLayoutsFromCpu(const OpSchemaInfo& info) {
@@ -238,7 +275,13 @@ void KernelLaunch::run() {
         stack.push_back(argument.value);
     }
   }
-  op_->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  {
+    std::optional<OutResizeWarningFilter> filter;
+    if (!out_arguments.empty()) {
+      filter.emplace(); // Note [Out= arguments are resized at the call]
+    }
+    op_->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  }
 
   // An out= kernel may have rebound its output (returned another tensor) or
   // re-strided it in place: then the kiln tensor's memory does not hold the
