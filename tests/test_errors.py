@@ -1,5 +1,7 @@
 """Bad input gets PyTorch's standard errors, never an internal assert."""
 
+import re
+
 import pytest
 import torch
 
@@ -128,3 +130,26 @@ def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
         torch.kiln.synchronize()  # nothing left to raise; earlier work was not skipped
         assert before.tolist() == [0.0, 2.0, 4.0]
 
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*deprecated")
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8).to("kiln"),
+     r"aten::empty_quantized was asked for a torch\.qint8 tensor \(per_tensor_affine\)"),
+    (lambda: torch.quantize_per_channel(torch.randn(4, 2), torch.full((4,), 0.1),
+                                        torch.zeros(4, dtype=torch.long), 0, torch.quint8).kiln(),
+     r"torch\.quint8 tensor \(per_channel_affine\)"),
+    (lambda: torch.quantize_per_tensor(torch.randn(4, device="kiln"), 0.1, 0, torch.qint8),
+     r"aten::quantize_per_tensor was asked for a torch\.qint8 tensor"),
+    (lambda: torch.empty(3, dtype=torch.qint32, device="kiln"), r"torch\.qint32 tensor"),
+], ids=["to_kiln", "per_channel", "quantize_on_kiln", "empty"])
+def test_quantized_tensors_on_kiln_raise_a_clear_error_at_the_call(make, what):
+    with pytest.raises(NotImplementedError) as info:
+        make()
+    message = str(info.value)
+    assert message.startswith("Kiln does not support quantized tensors: ")
+    assert re.search(what + " on a kiln device", message)
+    assert "t.dequantize()" in message and "on the CPU" in message  # what to do instead
+    assert "Could not run" not in message
+    dequantized = torch.quantize_per_tensor(torch.arange(4.0), 0.5, 0, torch.qint8).dequantize()
+    assert_same(dequantized.to("kiln"), dequantized)  # the workaround works

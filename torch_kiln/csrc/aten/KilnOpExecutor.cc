@@ -3,6 +3,7 @@
 #include "aten/KilnOpExecutor.h"
 
 #include <algorithm>
+#include <cctype>
 #include <exception>
 #include <memory>
 #include <string>
@@ -500,6 +501,53 @@ LayoutCache::DtypeSupport probeDtypes(const c10::OperatorHandle& op, const OpSch
   return LayoutCache::DtypeSupport::Supported;
 }
 
+// ---------------------------------------------------------------- quantized
+
+// Kiln has no quantized tensors (the reference device's kernels are CPU's
+// float ones, and quantized tensors carry a quantizer kiln has no storage
+// for): asking for one on kiln raises NotImplementedError at the call, like
+// other layouts kiln lacks, naming the op, the dtype and what to do.
+
+
+// "a torch.qint8 tensor (per_tensor_affine)" or "a torch.quint8 tensor".
+std::string quantizedTensorDescription(c10::ScalarType dtype,
+                                       std::optional<c10::QScheme> scheme = std::nullopt) {
+  std::string text = "a torch." + std::string(c10::toString(dtype)) + " tensor";
+  for (char& c : text) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (scheme.has_value()) {
+    text += " (" + c10::toString(*scheme) + ")";
+  }
+  return text;
+}
+
+[[noreturn]] void raiseQuantizedNotSupported(const std::string& op_name, const std::string& what) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false, "Kiln does not support quantized tensors: ", op_name, " was asked for ", what,
+      " on a kiln device. Dequantize first and move the float tensor (t.dequantize().to(\"kiln\")), "
+      "or keep quantized tensors and the ops that use them on the CPU.");
+}
+
+std::optional<c10::ScalarType> quantizedDtypeArgument(const c10::FunctionSchema& schema,
+                                                      const Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& value = stack[first + i];
+    auto type = args[i].real_type(); // ScalarType, not the int it is passed as
+    if (type->kind() == c10::TypeKind::OptionalType) {
+      type = type->castRaw<c10::OptionalType>()->getElementType();
+    }
+    if (type->kind() == c10::TypeKind::ScalarTypeType && value.isInt()) {
+      const auto dtype = static_cast<c10::ScalarType>(value.toInt());
+      if (c10::isQIntType(dtype)) {
+        return dtype;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 // ---------------------------------------------------------------- outputs
 
 // Gives the kiln tensor `target` the sizes, strides and offset of `layout`,
@@ -530,9 +578,12 @@ at::Tensor viewOf(const at::Tensor& base, const TensorLayout& layout) {
   return at::Tensor(std::move(impl));
 }
 
-at::Tensor freshLike(const TensorLayout& layout, c10::Device device) {
+at::Tensor freshLike(const OpSchemaInfo& info, const TensorLayout& layout, c10::Device device) {
   if (!layout.defined) {
     return at::Tensor(); // e.g. a gradient that output_mask did not ask for
+  }
+  if (C10_UNLIKELY(c10::isQIntType(layout.dtype))) {
+    raiseQuantizedNotSupported(opName(info), quantizedTensorDescription(layout.dtype));
   }
   return at::empty_strided(layout.sizes, layout.strides,
                            at::TensorOptions().dtype(layout.dtype).device(device));
@@ -709,7 +760,7 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
       }
     }
     at::Tensor result = host.is_non_overlapping_and_dense()
-        ? freshLike(TensorLayout::of(host), device)
+        ? freshLike(info, TensorLayout::of(host), device)
         : at::empty(host.sizes(), at::TensorOptions().dtype(host.dtype()).device(device));
     // `host` is a pageable temporary of this call: the runtime stages it at
     // the copy, so the copy need not wait (Note [Kiln copies]).
@@ -935,12 +986,12 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
         if (ret.is_list) {
           std::vector<at::Tensor> outputs;
           for (const auto& layout : layouts) {
-            outputs.push_back(freshLike(layout, device));
+            outputs.push_back(freshLike(info, layout, device));
             fresh.push_back(outputs.back());
           }
           results.emplace_back(c10::List<at::Tensor>(outputs));
         } else {
-          fresh.push_back(freshLike(layouts[0], device));
+          fresh.push_back(freshLike(info, layouts[0], device));
           results.emplace_back(fresh.back());
         }
         break;
@@ -980,6 +1031,41 @@ void kilnFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&kilnFallback>());
+}
+
+namespace {
+
+// Every op dispatched for a quantized tensor on kiln (QuantizedPrivateUse1):
+// creating one (Tensor.to("kiln") of a quantized tensor, empty(...,
+// dtype=torch.qint8, device="kiln"), _empty_affine_quantized) lands here.
+void quantizedFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t first = stack->size() - num_args;
+  std::string what = "a quantized tensor";
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor() && value.toTensor().defined() && value.toTensor().is_quantized()) {
+      const at::Tensor& t = value.toTensor();
+      what = quantizedTensorDescription(t.scalar_type(), t.qscheme());
+      break;
+    }
+  }
+  if (what == "a quantized tensor") {
+    if (auto dtype = quantizedDtypeArgument(schema, *stack, first)) {
+      what = quantizedTensorDescription(*dtype);
+    }
+  }
+  const std::string name = schema.overload_name().empty()
+      ? schema.name()
+      : schema.name() + "." + schema.overload_name();
+  raiseQuantizedNotSupported(name, what);
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&quantizedFallback>());
 }
 
 } // namespace at::kiln
