@@ -117,7 +117,8 @@ def test_a_bad_index_raises_the_same_error_at_the_first_call_and_at_synchronizat
     lambda d: torch.ones(3, device=d).bitwise_and(torch.ones(3, device=d)),
     lambda d: torch.zeros(3, dtype=torch.int64, device=d).normal_(),
     lambda d: torch.ones(2, 3, dtype=torch.int64, device=d).softmax(-1),
-], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax"])
+    lambda d: torch.zeros(4, device=d).to(torch.bits8),  # a conversion copy_ lacks
+], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax", "float_to_bits8"])
 def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
     with pytest.raises(Exception) as on_cpu:
         op("cpu")

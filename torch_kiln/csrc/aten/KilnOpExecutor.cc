@@ -139,7 +139,9 @@ namespace at::kiln {
 // group_norm's N, C and HxW), which a kernel may trust, unchecked, to match
 // its tensors' shapes, so tiny images could make it read out of bounds; ops
 // taking LAPACK pivots, which are 1-based. Their dtype errors surface where
-// their kernels run (at the call for a first call's layout check).
+// their kernels run (at the call for a first call's layout check). Copies
+// between dtypes, which kiln runs as CPU's copy_ on the device, check each
+// pair of dtypes once the same way (checkConversion in Copy.cc).
 
 namespace {
 
