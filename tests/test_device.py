@@ -79,6 +79,7 @@ def test_device_properties_and_name():
     assert "total_memory=16384MB" in repr(props)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_device_capability_lists_the_dtypes_kiln_holds_and_converts():
     capability = torch.accelerator.get_device_capability()
     assert capability == torch.accelerator.get_device_capability("kiln:1")
