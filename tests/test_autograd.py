@@ -100,3 +100,28 @@ def test_dropout_matches_cpu_forward_and_backward():
     assert_same(a, b.cpu())
     dropped = (a == 0).sum().item()
     assert 350 <= dropped <= 650
+
+
+def test_reduced_losses_and_their_backward_warn_no_more_than_on_cpu():
+    import warnings
+    losses = [F.mse_loss, F.smooth_l1_loss, F.huber_loss]
+
+    def run(device):
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, device=device, requires_grad=True)
+        target = torch.randn(4, 3, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            values = []
+            for loss_fn in losses:
+                loss = loss_fn(x, target)  # 0-dim: the structured out= kernel's own output
+                loss.backward()
+                values.append(loss.detach())
+            torch.kiln.synchronize()  # device warnings surface here
+        return values + [x.grad], [str(w.message) for w in caught]
+
+    kiln_values, kiln_warnings = run("kiln")
+    cpu_values, cpu_warnings = run("cpu")
+    assert kiln_warnings == cpu_warnings == []  # not "An output ... was resized"
+    for k, c in zip(kiln_values, cpu_values):
+        assert_same(k, c)

@@ -154,7 +154,7 @@ def test_blocking_copy_on_a_side_stream_is_visible_on_the_default_stream(device)
     data = batches()
     side = torch.kiln.Stream(device)
     host = torch.empty(ROW, pin_memory=True)
-    results = []
+    results, kept = [], []
     for row in data:
         host.copy_(row)
         with torch.kiln.stream(side):
@@ -163,6 +163,10 @@ def test_blocking_copy_on_a_side_stream_is_visible_on_the_default_stream(device)
         host.fill_(-1)
         with torch.kiln.device(device):
             results.append(d * 1)  # default stream, no wait_stream
+        # Kept alive: freed without record_stream, d's block would go back to
+        # the side stream's pool while the default stream may still read it
+        # (the same race as on CUDA).
+        kept.append(d)
     assert_same(torch.stack(results), data)
 
 

@@ -79,6 +79,29 @@ def test_device_properties_and_name():
     assert "total_memory=16384MB" in repr(props)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_device_capability_lists_the_dtypes_kiln_holds_and_converts():
+    capability = torch.accelerator.get_device_capability()
+    assert capability == torch.accelerator.get_device_capability("kiln:1")
+    dtypes = capability["supported_dtypes"]
+    assert {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+            torch.complex64, torch.float8_e4m3fn, torch.uint32} <= dtypes
+    assert not {torch.qint8, torch.quint8, torch.qint32} & dtypes  # no quantized tensors
+    source = torch.arange(6.0).reshape(2, 3)
+    for dtype in dtypes:  # allocated on kiln and converted to and from it, as on CPU
+        on_cpu = source.to(dtype)
+        on_kiln = source.to("kiln").to(dtype)
+        assert on_kiln.dtype == dtype and on_kiln.device.type == "kiln"
+        assert torch.equal(on_kiln.cpu().reshape(-1).view(torch.uint8),
+                           on_cpu.reshape(-1).view(torch.uint8)), dtype
+        assert torch.equal(on_kiln.to(torch.float64).cpu(), on_cpu.to(torch.float64)), dtype
+    with pytest.raises(RuntimeError, match="Invalid device kiln:7"):
+        torch.accelerator.get_device_capability("kiln:7")
+    # CUDA's (major, minor) fields: kiln has no levels, the same (1, 0) everywhere.
+    properties = torch.kiln.get_device_properties(1)
+    assert (properties.major, properties.minor) == torch.kiln.get_device_capability(1) == (1, 0)
+
+
 def test_device_memory_capacity_from_environment():
     code = "import torch; print(torch.kiln.get_device_properties(0).total_memory)"
     assert run_python(code, {"KILN_DEVICE_MEMORY": "512MiB"}).stdout.strip() == str(512 * 1024**2)

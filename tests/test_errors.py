@@ -1,5 +1,7 @@
 """Bad input gets PyTorch's standard errors, never an internal assert."""
 
+import re
+
 import pytest
 import torch
 
@@ -67,3 +69,88 @@ def test_reduction_of_an_empty_tensor_raises_at_the_call_without_a_sync(reductio
         reduction(torch.empty(0))
     assert str(on_kiln.value) == str(on_cpu.value)
     assert torch.kiln.get_sync_ops() == {}
+
+
+_SAME_BAD_INDEX_TWICE = """
+import json, torch
+x = torch.arange(4.0, device='kiln')
+bad = torch.tensor([0, 9], device='kiln')
+seen = []
+def attempt():
+    where = 'call'
+    try:
+        torch.index_select(x, 0, bad)
+        where = 'synchronize'
+        torch.kiln.synchronize()
+        seen.append(['none', '', ''])
+    except Exception as e:
+        seen.append([where, type(e).__name__, str(e)])
+attempt()  # the first call of its kind: run at once (a layout check)
+torch.index_select(x, 0, torch.tensor([1], device='kiln'))  # a good one: later calls are asynchronous
+torch.kiln.synchronize()
+attempt()
+try:
+    torch.index_select(x.cpu(), 0, bad.cpu())
+except Exception as e:
+    seen.append(['cpu', type(e).__name__, str(e)])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("launch_blocking", ["0", "1"])
+def test_a_bad_index_raises_the_same_error_at_the_first_call_and_at_synchronization(launch_blocking):
+    import json
+    from conftest import run_python
+    result = run_python(_SAME_BAD_INDEX_TWICE, {"KILN_LAUNCH_BLOCKING": launch_blocking})
+    assert result.returncode == 0, result.stderr
+    (first_where, first_type, first), (later_where, later_type, later), (_, cpu_type, cpu) = \
+        json.loads(result.stdout)
+    assert first_where == "call"  # the synchronous layout check
+    assert later_where == ("call" if launch_blocking == "1" else "synchronize")
+    assert first_type == later_type == cpu_type == "IndexError"
+    assert first == later  # same type and message whichever way the kernel ran
+    assert "aten::index_select: inputs (Float[4], Long[2])" in first and cpu in first
+
+
+@pytest.mark.parametrize("op", [
+    lambda d: torch.ones(3, 3, dtype=torch.bool, device=d) @ torch.ones(3, 3, dtype=torch.bool, device=d),
+    lambda d: torch.ones(3, device=d).bitwise_and(torch.ones(3, device=d)),
+    lambda d: torch.zeros(3, dtype=torch.int64, device=d).normal_(),
+    lambda d: torch.ones(2, 3, dtype=torch.int64, device=d).softmax(-1),
+    lambda d: torch.zeros(4, device=d).to(torch.bits8),  # a conversion copy_ lacks
+], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax", "float_to_bits8"])
+def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
+    with pytest.raises(Exception) as on_cpu:
+        op("cpu")
+    torch.kiln.synchronize()
+    for _ in range(2):  # the first call of its kind and a later one
+        before = torch.arange(3.0, device="kiln") * 2  # queued ahead of the bad op
+        with pytest.raises(type(on_cpu.value)) as on_kiln:
+            op("kiln")
+        assert str(on_kiln.value) == str(on_cpu.value)  # e.g. "... not implemented for 'Bool'"
+        torch.kiln.synchronize()  # nothing left to raise; earlier work was not skipped
+        assert before.tolist() == [0.0, 2.0, 4.0]
+
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*deprecated")
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8).to("kiln"),
+     r"aten::empty_quantized was asked for a torch\.qint8 tensor \(per_tensor_affine\)"),
+    (lambda: torch.quantize_per_channel(torch.randn(4, 2), torch.full((4,), 0.1),
+                                        torch.zeros(4, dtype=torch.long), 0, torch.quint8).kiln(),
+     r"torch\.quint8 tensor \(per_channel_affine\)"),
+    (lambda: torch.quantize_per_tensor(torch.randn(4, device="kiln"), 0.1, 0, torch.qint8),
+     r"aten::quantize_per_tensor was asked for a torch\.qint8 tensor"),
+    (lambda: torch.empty(3, dtype=torch.qint32, device="kiln"), r"torch\.qint32 tensor"),
+], ids=["to_kiln", "per_channel", "quantize_on_kiln", "empty"])
+def test_quantized_tensors_on_kiln_raise_a_clear_error_at_the_call(make, what):
+    with pytest.raises(NotImplementedError) as info:
+        make()
+    message = str(info.value)
+    assert message.startswith("Kiln does not support quantized tensors: ")
+    assert re.search(what + " on a kiln device", message)
+    assert "t.dequantize()" in message and "on the CPU" in message  # what to do instead
+    assert "Could not run" not in message
+    dequantized = torch.quantize_per_tensor(torch.arange(4.0), 0.5, 0, torch.qint8).dequantize()
+    assert_same(dequantized.to("kiln"), dequantized)  # the workaround works

@@ -92,6 +92,19 @@ def test_elapsed_time_needs_events_on_one_device():
         timed.elapsed_time(other)
 
 
+def test_elapsed_time_names_the_event_that_was_never_recorded():
+    start, end = torch.kiln.Event(enable_timing=True), torch.kiln.Event(enable_timing=True)
+    start.record()
+    with pytest.raises(RuntimeError, match=r"^Both events must be recorded before calculating "
+                       r"elapsed time; the end event was never recorded"):
+        start.elapsed_time(end)  # not "must be on the same device"
+    with pytest.raises(RuntimeError, match="the start event was never recorded"):
+        end.elapsed_time(start)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0
+
+
 def test_interprocess_events_are_rejected():
     with pytest.raises(RuntimeError, match="interprocess"):
         torch.kiln.Event(interprocess=True)

@@ -251,3 +251,29 @@ def test_memory_fraction_binding_rejects_bad_values():
         _C._set_memory_fraction(2.0, 0)
     with pytest.raises(RuntimeError, match="Kiln has 2 devices|device"):
         _C._set_memory_fraction(0.5, 9)
+
+
+def test_a_device_smaller_than_a_segment_serves_small_tensors_and_blames_itself_when_full():
+    code = (
+        "import torch\n"
+        "x = torch.ones(4, device='kiln')  # smaller than the 1 MiB small-pool segments\n"
+        "print(x.sum().item())\n"
+        "fill = torch.empty((512 << 10) - 4096, dtype=torch.uint8, device='kiln')\n"
+        "kept = []\n"
+        "try:\n"
+        "    while True:\n"
+        "        kept.append(torch.empty(4, device='kiln'))\n"
+        "except torch.OutOfMemoryError as e:\n"
+        "    print(len(kept) > 0, '|', e)\n"
+    )
+    from conftest import run_python
+    result = run_python(code, {"KILN_DEVICE_MEMORY": "512KiB"})
+    assert result.returncode == 0, result.stderr
+    total, rest = result.stdout.split("\n", 1)
+    assert total == "4.0"
+    served, message = rest.split(" | ")
+    assert served == "True"
+    # The rounded block (512 bytes) is compared with the device's free memory.
+    assert "Tried to allocate 16 bytes on kiln:0, which takes a block of 512 bytes" in message
+    assert "total capacity of 512.00 KiB of which 0 bytes is free" in message
+    assert "host" not in message

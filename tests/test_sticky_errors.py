@@ -1,6 +1,8 @@
 """A kernel that fails on the device leaves a sticky error on its stream:
-later work there is skipped, and the next synchronization raises a
-RuntimeError naming the op and its input shapes; then the stream works again."""
+later work there is skipped, and the next synchronization raises the
+kernel's own exception type (IndexError for a bad index, as on CPU) naming
+the op and its input shapes; then the stream works again. Reading a result
+the failed kernel should have written raises a RuntimeError naming it."""
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ def test_failing_kernel_raises_at_next_synchronization():
     bad = torch.tensor([0, 9], device="kiln")
     y = torch.index_select(x, 0, bad)  # returns at once: the failure is on the device
     z = y + 1  # skipped
-    with pytest.raises(RuntimeError, match=r"index_select.*Float\[4\].*Long\[2\].*index out of range"):
+    with pytest.raises(IndexError, match=r"index_select.*Float\[4\].*Long\[2\].*index out of range"):
         torch.kiln.synchronize()
     # Raised once; the stream works again.
     torch.kiln.synchronize()
@@ -32,7 +34,7 @@ def test_failing_kernel_raises_at_next_synchronization():
 def test_sticky_error_surfaces_at_item():
     x = torch.arange(4.0, device="kiln")
     y = torch.index_select(x, 0, torch.tensor([7], device="kiln"))
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         y.sum().item()
     assert x.sum().item() == 6.0
 
@@ -43,7 +45,7 @@ def test_error_on_side_stream_stays_on_that_stream():
     with torch.kiln.stream(s):
         torch.index_select(x, 0, torch.tensor([5], device="kiln"))
     assert (x * 2).sum().item() == 12.0  # the default stream is unaffected
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         s.synchronize()
     s.synchronize()
 
@@ -52,7 +54,7 @@ def test_results_of_failed_kernels_cannot_be_read():
     x = torch.arange(4.0, device="kiln")
     y = torch.index_select(x, 0, torch.tensor([0, 9], device="kiln"))  # fails on the device
     z = y * 2  # skipped
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         torch.kiln.synchronize()
     for t in (y, z, z + 1):  # never computed: reading them is an error, not garbage
         with pytest.raises(RuntimeError, match="never computed.*index_select"):
@@ -71,14 +73,14 @@ def test_event_recorded_behind_a_failure_raises_it():
     host.copy_(y, non_blocking=True)  # skipped: the values never arrive
     event = torch.kiln.Event()
     event.record()
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         event.synchronize()
     event.synchronize()  # raised once
     torch.kiln.synchronize()  # the event took the stream's error
     y2 = torch.index_select(x, 0, torch.tensor([7], device="kiln"))
     generic = torch.Event(device="kiln")
     generic.record()
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         while not generic.query():
             pass
     del y2
@@ -96,7 +98,7 @@ def test_other_stream_reading_a_failed_result_fails_too():
     with torch.kiln.stream(side):
         doubled = y * 2  # launched before the failure is known, runs after it
     side.synchronize()  # the side stream's kernel did not fail: it had no input
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         torch.kiln.synchronize()
     with pytest.raises(RuntimeError, match="never computed.*index_select"):
         doubled.sum().item()
@@ -136,7 +138,7 @@ def test_copy_to_another_device_of_a_failed_result_is_marked():
     torch.kiln._sleep(50)  # the failure happens after the copy below is queued
     y = torch.index_select(x, 0, index)
     on_other_device = y.to("kiln:1")
-    with pytest.raises(RuntimeError, match="index_select"):
+    with pytest.raises(IndexError, match="index_select"):
         torch.kiln.synchronize()
     with pytest.raises(RuntimeError, match="never computed.*copy from kiln:0 was skipped"):
         on_other_device.cpu()

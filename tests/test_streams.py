@@ -25,6 +25,17 @@ def test_stream_objects_and_current_stream():
     assert torch.kiln.current_stream() == default
 
 
+@pytest.mark.parametrize("not_a_stream", [123, "kiln:0", torch.device("kiln")])
+def test_set_stream_of_something_else_is_a_type_error(not_a_stream):
+    before = torch.kiln.current_stream()
+    with pytest.raises(TypeError, match=r"expected a torch.kiln.Stream or torch.Stream.*but got "
+                       + type(not_a_stream).__name__):
+        torch.kiln.set_stream(not_a_stream)
+    with pytest.raises(TypeError, match="expected a torch.kiln.Stream or torch.Stream"):
+        torch.kiln.stream(not_a_stream)
+    assert torch.kiln.current_stream() == before
+
+
 def test_generic_torch_stream():
     s = torch.Stream(device="kiln")
     assert s.device_type == torch.kiln.current_stream().device_type

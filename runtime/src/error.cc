@@ -23,6 +23,7 @@ thread_local const char* t_api = "kiln";
 namespace {
 
 thread_local std::string t_last_error;
+thread_local int t_last_error_class = 0;
 
 std::string VFormat(const char* fmt, va_list args) {
   va_list copy;
@@ -38,7 +39,10 @@ std::string VFormat(const char* fmt, va_list args) {
   return out;
 }
 
-void SetLastError(std::string message) noexcept { t_last_error.swap(message); }
+void SetLastError(std::string message, int error_class = 0) noexcept {
+  t_last_error.swap(message);
+  t_last_error_class = error_class;
+}
 
 }  // namespace
 
@@ -51,6 +55,7 @@ std::string StrFormat(const char* fmt, ...) {
 }
 
 kilnError_t Fail(kilnError_t code, const char* fmt, ...) {
+  t_last_error_class = 0;
   try {
     va_list args;
     va_start(args, fmt);
@@ -66,10 +71,11 @@ kilnError_t Fail(kilnError_t code, const char* fmt, ...) {
   return code;
 }
 
-kilnError_t FailVerbatim(kilnError_t code, const std::string& message) {
+kilnError_t FailVerbatim(kilnError_t code, const std::string& message, int error_class) {
   try {
-    SetLastError(message);
+    SetLastError(message, error_class);
   } catch (...) {
+    t_last_error_class = error_class;
   }
   return code;
 }
@@ -152,5 +158,7 @@ KILN_API const char* kilnGetErrorString(kilnError_t error) {
 }
 
 KILN_API const char* kilnGetLastErrorMessage(void) { return kiln::t_last_error.c_str(); }
+
+KILN_API int kilnGetLastErrorClass(void) { return kiln::t_last_error_class; }
 
 }  // extern "C"

@@ -67,10 +67,19 @@ uint64_t HostPhysicalMemory() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
-kilnError_t FailOutOfMemory(const Device& dev, size_t requested, uint64_t free_bytes) {
+// `charged`: what the request takes of the capacity (rounded up to the
+// allocation unit), the figure to compare with the free bytes.
+kilnError_t FailOutOfMemory(const Device& dev, size_t requested, uint64_t charged,
+                            uint64_t free_bytes) {
+  const std::string rounded =
+      charged == requested
+          ? std::string()
+          : StrFormat(", which takes %s of device memory (allocations are charged in %zu-byte "
+                      "units)",
+                      FormatBytes(charged).c_str(), kDeviceAlignment);
   return Fail(kilnErrorMemoryAllocation,
-              "out of memory on kiln device %d: requested %s; %s free of %s total", dev.index,
-              FormatBytes(requested).c_str(), FormatBytes(free_bytes).c_str(),
+              "out of memory on kiln device %d: requested %s%s; %s free of %s total", dev.index,
+              FormatBytes(requested).c_str(), rounded.c_str(), FormatBytes(free_bytes).c_str(),
               FormatBytes(dev.capacity).c_str());
 }
 
@@ -194,12 +203,15 @@ KILN_API kilnError_t kilnMalloc(void** devPtr, size_t size) {
 
     // Charge the capacity first (never ask the host for impossible sizes).
     const size_t align = kiln::kDeviceAlignment;
-    if (size > SIZE_MAX - (align - 1)) return kiln::FailOutOfMemory(dev, size, 0);
+    if (size > SIZE_MAX - (align - 1)) {
+      std::lock_guard<std::mutex> lock(rt.mem_mu);
+      return kiln::FailOutOfMemory(dev, size, size, dev.capacity - dev.used);
+    }
     const size_t reserved = (size + align - 1) / align * align;
     {
       std::lock_guard<std::mutex> lock(rt.mem_mu);
       const uint64_t free_bytes = dev.capacity - dev.used;
-      if (reserved > free_bytes) return kiln::FailOutOfMemory(dev, size, free_bytes);
+      if (reserved > free_bytes) return kiln::FailOutOfMemory(dev, size, reserved, free_bytes);
       dev.used += reserved;
     }
 

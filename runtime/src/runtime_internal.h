@@ -104,9 +104,17 @@ extern thread_local const char* t_api;
 kilnError_t Fail(kilnError_t code, const char* fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-// Records `message` verbatim (no function prefix) and returns `code`. Used for
-// sticky task errors, whose text the header fixes as "<name>: <message>".
-kilnError_t FailVerbatim(kilnError_t code, const std::string& message);
+// Records `message` verbatim (no function prefix) and `error_class` (what
+// kilnGetLastErrorClass returns) and returns `code`. Used for task failures,
+// whose text the header fixes as "<name>: <message>".
+kilnError_t FailVerbatim(kilnError_t code, const std::string& message, int error_class = 0);
+
+// What a failed task reported: "<name>: <message>" and the class it set with
+// kilnTaskSetErrorClass (0 if none).
+struct TaskFailure {
+  std::string message;
+  int error_class = 0;
+};
 
 // printf into a std::string.
 std::string StrFormat(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -369,12 +377,13 @@ class Stream {
   enum class WaitOutcome { kDone, kInterrupted, kTimedOut };
   WaitOutcome BlockUntilCompleted(uint64_t seq, bool interruptible, int64_t deadline_ns);
   bool ShouldSkip(uint64_t seq);
-  // Runs one entry. Returns the task's failure (kilnErrorLaunchFailure with
-  // *message) or kilnSuccess. Skip decisions per Note [Sticky stream errors].
-  kilnError_t Run(Entry& e, std::string* message);
+  // Runs one entry. Returns the task's failure (kilnErrorLaunchFailure, with
+  // *failure filled) or kilnSuccess. Skip decisions per Note [Sticky stream
+  // errors].
+  kilnError_t Run(Entry& e, TaskFailure* failure);
   // Completes (ran) or discards (skipped) an entry's activity record.
   static void FinishTrace(PendingActivity* trace, bool ran, int64_t start, int64_t end);
-  void SetSticky(std::string message);
+  void SetSticky(TaskFailure failure);
   void PublishCompleted(uint64_t seq);
   void GrowRing();  // mu_ held
 
@@ -407,10 +416,10 @@ class Stream {
   std::atomic<uint64_t> completed_{0};
   std::atomic<int> sync_waiters_{0};
 
-  // See Note [Sticky stream errors]. sticky_message_ is guarded by mu_.
+  // See Note [Sticky stream errors]. sticky_failure_ is guarded by mu_.
   std::atomic<int> sticky_code_{kilnSuccess};
   std::atomic<uint64_t> skip_until_{0};
-  std::string sticky_message_;
+  TaskFailure sticky_failure_;
 
   // Serialises inline execution in blocking mode (recursive: a task may
   // launch onto its own stream).

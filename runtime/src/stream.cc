@@ -46,10 +46,11 @@
 // Note [Sticky stream errors]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // When a task fails, its stream records kilnErrorLaunchFailure with the
-// message "<task name>: <task message>" (sticky_code_, sticky_message_). From
-// then on task, copy and memset entries are skipped — they would run on data
-// the failed task was meant to produce — but their release functions and
-// staging buffers are still dealt with, exactly once. Event records and waits
+// message "<task name>: <task message>" and the class the task set with
+// kilnTaskSetErrorClass (sticky_code_, sticky_failure_). From then on task,
+// copy and memset entries are skipped — they would run on data the failed
+// task was meant to produce — but their release functions and staging
+// buffers are still dealt with, exactly once. Event records and waits
 // are control entries and always take effect, so a stream waiting on an event
 // recorded on the failed stream is released instead of hanging forever.
 //
@@ -93,6 +94,7 @@
 #include <cstring>
 #include <exception>
 #include <system_error>
+#include <utility>
 
 #include "runtime_internal.h"
 
@@ -109,9 +111,11 @@ constexpr int64_t kWorkerSpinNs = 500'000;
 constexpr int64_t kWaitSpinNs = 20'000;
 constexpr size_t kInitialRing = 64;
 
-// The failure message a running task sets with kilnTaskSetErrorMessage.
+// What a running task sets with kilnTaskSetErrorMessage and
+// kilnTaskSetErrorClass.
 struct TaskContext {
   std::string message;
+  int error_class = 0;
 };
 thread_local TaskContext* t_task = nullptr;
 
@@ -125,9 +129,9 @@ std::string TaskFailureMessage(const char* name, kilnError_t code, const std::st
   return out;
 }
 
-// Runs fn(user) with a task context; returns its code and fills *message on
+// Runs fn(user) with a task context; returns its code and fills *failure on
 // failure. A C++ exception escaping the task is a failure, not a crash.
-kilnError_t RunTaskFn(const Entry& e, std::string* message) {
+kilnError_t RunTaskFn(const Entry& e, TaskFailure* failure) {
   TaskContext ctx;
   TaskContext* outer = t_task;
   t_task = &ctx;
@@ -147,8 +151,9 @@ kilnError_t RunTaskFn(const Entry& e, std::string* message) {
   }
   t_task = outer;
   if (code != kilnSuccess) {
+    failure->error_class = ctx.error_class;
     try {
-      *message = TaskFailureMessage(e.name, code, ctx.message);
+      failure->message = TaskFailureMessage(e.name, code, ctx.message);
     } catch (...) {
     }
   }
@@ -163,7 +168,7 @@ kilnError_t Stream::Activate(int device, int priority, bool is_default, bool blo
   try {
     std::lock_guard<std::mutex> lock(mu_);
     if (ring_.empty()) ring_.resize(kInitialRing);
-    sticky_message_.clear();
+    sticky_failure_ = TaskFailure();
     skip_until_.store(submitted_.load(std::memory_order_relaxed), std::memory_order_relaxed);
     sticky_code_.store(kilnSuccess, std::memory_order_relaxed);
   } catch (const std::bad_alloc&) {
@@ -277,11 +282,12 @@ kilnError_t Stream::SubmitInline(Entry& e, uint64_t* seq, bool* consumed) {
   if (seq != nullptr) *seq = e.seq;
   Stream* outer = t_running_stream;
   t_running_stream = this;
-  std::string message;
-  const kilnError_t result = Run(e, &message);
+  TaskFailure failure;
+  const kilnError_t result = Run(e, &failure);
   t_running_stream = outer;
   PublishCompleted(e.seq);
-  if (result != kilnSuccess) return FailVerbatim(kilnErrorLaunchFailure, message);
+  if (result != kilnSuccess)
+    return FailVerbatim(kilnErrorLaunchFailure, failure.message, failure.error_class);
   return kilnSuccess;
 }
 
@@ -290,12 +296,13 @@ kilnError_t Stream::SubmitInline(Entry& e, uint64_t* seq, bool* consumed) {
 void Stream::WorkerLoop() {
   pthread_setname_np(pthread_self(), "kiln-stream");
   t_running_stream = this;  // everything this thread runs is this stream's work
-  std::string message;
+  TaskFailure failure;
   Entry e;
   for (;;) {
     Pop(&e);
-    message.clear();
-    if (Run(e, &message) != kilnSuccess) SetSticky(std::move(message));
+    failure.message.clear();
+    failure.error_class = 0;
+    if (Run(e, &failure) != kilnSuccess) SetSticky(std::move(failure));
     PublishCompleted(e.seq);
   }
 }
@@ -329,7 +336,7 @@ bool Stream::ShouldSkip(uint64_t seq) {
   return false;
 }
 
-kilnError_t Stream::Run(Entry& e, std::string* message) {
+kilnError_t Stream::Run(Entry& e, TaskFailure* failure) {
   // See Note [Activity tracing]: e.trace is set only while tracing, so when it
   // is off this costs one test of a field we already hold.
   PendingActivity* const trace = e.trace;
@@ -340,7 +347,7 @@ kilnError_t Stream::Run(Entry& e, std::string* message) {
   switch (e.kind) {
     case EntryKind::kTask: {
       ran = !ShouldSkip(e.seq);
-      if (ran && RunTaskFn(e, message) != kilnSuccess) result = kilnErrorLaunchFailure;
+      if (ran && RunTaskFn(e, failure) != kilnSuccess) result = kilnErrorLaunchFailure;
       if (trace != nullptr) end = NowNs();  // the task's own time, not its release
       if (e.release != nullptr) e.release(e.user);
       break;
@@ -381,10 +388,11 @@ void Stream::FinishTrace(PendingActivity* trace, bool ran, int64_t start, int64_
   }
 }
 
-void Stream::SetSticky(std::string message) {
+void Stream::SetSticky(TaskFailure failure) {
   std::lock_guard<std::mutex> lock(mu_);
   if (sticky_code_.load(std::memory_order_relaxed) != kilnSuccess) return;
-  sticky_message_.swap(message);
+  sticky_failure_.message.swap(failure.message);
+  sticky_failure_.error_class = failure.error_class;
   sticky_code_.store(kilnErrorLaunchFailure, std::memory_order_release);
 }
 
@@ -457,23 +465,24 @@ kilnError_t Stream::CheckNotSelf() const {
 kilnError_t Stream::TakeStickyError() {
   if (sticky_code_.load(std::memory_order_acquire) == kilnSuccess) return kilnSuccess;
   kilnError_t code;
-  std::string message;
+  TaskFailure failure;
   {
     std::lock_guard<std::mutex> lock(mu_);
     code = static_cast<kilnError_t>(sticky_code_.load(std::memory_order_relaxed));
     if (code == kilnSuccess) return kilnSuccess;  // another thread reported it
-    message.swap(sticky_message_);
+    failure.message.swap(sticky_failure_.message);
+    failure.error_class = std::exchange(sticky_failure_.error_class, 0);
     const uint64_t upto = submitted_.load(std::memory_order_relaxed);
     if (upto > skip_until_.load(std::memory_order_relaxed))
       skip_until_.store(upto, std::memory_order_relaxed);
     sticky_code_.store(kilnSuccess, std::memory_order_release);
   }
-  return FailVerbatim(code, message);
+  return FailVerbatim(code, failure.message, failure.error_class);
 }
 
 void Stream::DiscardStickyError() {
   std::lock_guard<std::mutex> lock(mu_);
-  sticky_message_.clear();
+  sticky_failure_ = TaskFailure();
   skip_until_.store(submitted_.load(std::memory_order_relaxed), std::memory_order_relaxed);
   sticky_code_.store(kilnSuccess, std::memory_order_release);
 }
@@ -675,6 +684,12 @@ KILN_API void kilnTaskSetErrorMessage(const char* message) {
     ctx->message = message != nullptr ? message : "";
   } catch (...) {
   }
+}
+
+KILN_API void kilnTaskSetErrorClass(int errorClass) {
+  if (kiln::g_forked_child.load(std::memory_order_relaxed)) return;
+  kiln::TaskContext* ctx = kiln::t_task;
+  if (ctx != nullptr) ctx->error_class = errorClass;
 }
 
 KILN_API kilnError_t kilnGetLaunchBlocking(int* blocking) {

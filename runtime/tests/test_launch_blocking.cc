@@ -54,7 +54,18 @@ TEST(ChildLaunchBlocking, AFailingTaskFailsItsLaunchAndIsNotSticky) {
       [](void* u) { ++*static_cast<int*>(u); }, &released, "aten::index");
   EXPECT_EQ(err, kilnErrorLaunchFailure) << kiln_test::Describe(err);
   EXPECT_EQ(LastMessage(), "aten::index: index 5 is out of bounds for dimension 0 with size 3");
+  EXPECT_EQ(kilnGetLastErrorClass(), 0);
   EXPECT_EQ(released, 1);
+  EXPECT_EQ(kilnLaunchTask(
+                nullptr,
+                [](void*) {
+                  kilnTaskSetErrorMessage("index 5 is out of bounds");
+                  kilnTaskSetErrorClass(7);
+                  return kilnErrorInvalidValue;
+                },
+                nullptr, nullptr, "aten::index"),
+            kilnErrorLaunchFailure);
+  EXPECT_EQ(kilnGetLastErrorClass(), 7) << "the launch reports the task's class";
   EXPECT_KILN_OK(kilnStreamSynchronize(nullptr)) << "already reported at launch";
   EXPECT_KILN_OK(kilnDeviceSynchronize());
   bool ran = false;

@@ -299,8 +299,9 @@ TEST(ChildSmallDevice, ExhaustionAndRecovery) {
   void* one = nullptr;
   EXPECT_KILN_ERR(kilnMalloc(&one, 1), kilnErrorMemoryAllocation);
   EXPECT_EQ(LastMessage(),
-            "kilnMalloc: out of memory on kiln device 0: requested 1 bytes; 0 bytes free of "
-            "1048576 bytes (1.00 MiB) total");
+            "kilnMalloc: out of memory on kiln device 0: requested 1 bytes, which takes 256 "
+            "bytes of device memory (allocations are charged in 256-byte units); 0 bytes free "
+            "of 1048576 bytes (1.00 MiB) total");
   ASSERT_KILN_OK(kilnFree(all));
 
   void* halves[2] = {nullptr, nullptr};

@@ -35,7 +35,48 @@ kilnError_t FailingTask(void* u) {
 
 void CountRelease(void* u) { static_cast<Counters*>(u)->released.fetch_add(1); }
 
+kilnError_t ClassifiedFailingTask(void*) {
+  kilnTaskSetErrorMessage("index 9 is out of range");
+  kilnTaskSetErrorClass(7);
+  return kilnErrorLaunchFailure;
+}
+
 }  // namespace
+
+TEST(StickyErrors, TheErrorClassATaskSetIsReportedWithItsError) {
+  kilnStream_t s = nullptr;
+  ASSERT_KILN_OK(kilnStreamCreate(&s));
+  ASSERT_KILN_OK(kilnLaunchTask(s, ClassifiedFailingTask, nullptr, nullptr, "aten::index"));
+  EXPECT_KILN_ERR(kilnStreamSynchronize(s), kilnErrorLaunchFailure);
+  EXPECT_EQ(LastMessage(), "aten::index: index 9 is out of range");
+  EXPECT_EQ(kilnGetLastErrorClass(), 7);
+
+  // Through an event recorded behind the failure, and the device.
+  kilnEvent_t event = nullptr;
+  ASSERT_KILN_OK(kilnEventCreate(&event));
+  ASSERT_KILN_OK(kilnLaunchTask(s, ClassifiedFailingTask, nullptr, nullptr, "aten::index"));
+  ASSERT_KILN_OK(kilnEventRecord(event, s));
+  EXPECT_KILN_ERR(kilnEventSynchronize(event), kilnErrorLaunchFailure);
+  EXPECT_EQ(kilnGetLastErrorClass(), 7);
+  ASSERT_KILN_OK(kilnLaunchTask(s, ClassifiedFailingTask, nullptr, nullptr, "aten::index"));
+  EXPECT_KILN_ERR(kilnDeviceSynchronize(), kilnErrorLaunchFailure);
+  EXPECT_EQ(kilnGetLastErrorClass(), 7);
+
+  // Other failures, and tasks that set no class, have class 0.
+  EXPECT_KILN_ERR(kilnStreamSynchronize(reinterpret_cast<kilnStream_t>(&event)),
+                  kilnErrorInvalidResourceHandle);
+  EXPECT_EQ(kilnGetLastErrorClass(), 0);
+  Counters failing;
+  ASSERT_KILN_OK(kilnLaunchTask(s, ClassifiedFailingTask, nullptr, nullptr, "aten::index"));
+  EXPECT_KILN_ERR(kilnStreamSynchronize(s), kilnErrorLaunchFailure);
+  ASSERT_KILN_OK(kilnLaunchTask(s, FailingTask, CountRelease, &failing, "aten::add"));
+  EXPECT_KILN_ERR(kilnStreamSynchronize(s), kilnErrorLaunchFailure);
+  EXPECT_EQ(kilnGetLastErrorClass(), 0) << "a class belongs to its own failure only";
+  kilnTaskSetErrorClass(3);  // outside a task: no effect
+  EXPECT_EQ(kilnGetLastErrorClass(), 0);
+  ASSERT_KILN_OK(kilnEventDestroy(event));
+  ASSERT_KILN_OK(kilnStreamDestroy(s));
+}
 
 TEST(StickyErrors, FailingTaskSkipsLaterTasksUntilSynchronizeReportsItOnce) {
   kilnStream_t s = nullptr;

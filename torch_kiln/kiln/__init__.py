@@ -188,19 +188,25 @@ def synchronize(device: Any = None) -> None:
     _C._synchronize(_device_index(device, optional=True))
 
 
+_CAPABILITY = (1, 0)  # see get_device_capability
+
+
 class _KilnDeviceProperties:
     """Properties of a kiln device (like ``torch.cuda.get_device_properties``):
     ``name`` (str), ``total_memory`` (bytes, ``KILN_DEVICE_MEMORY``),
-    ``multi_processor_count`` (host cores its kernels may use)."""
+    ``multi_processor_count`` (host cores its kernels may use), and ``major``
+    and ``minor`` (1 and 0: kiln has no compute capability levels, see
+    ``get_device_capability``)."""
 
     def __init__(self, name: str, total_memory: int, multi_processor_count: int):
         self.name = name
         self.total_memory = total_memory
         self.multi_processor_count = multi_processor_count
+        self.major, self.minor = _CAPABILITY
 
     def __repr__(self) -> str:
         return (
-            f"_KilnDeviceProperties(name='{self.name}', "
+            f"_KilnDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
             f"total_memory={self.total_memory // (1024 * 1024)}MB, "
             f"multi_processor_count={self.multi_processor_count})"
         )
@@ -228,10 +234,18 @@ OutOfMemoryError = torch.OutOfMemoryError
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:
-    """Kiln has no compute capability levels; (1, 0) for every device, so
-    code that checks ``>= (x, y)`` for CUDA features can tell it apart."""
+    """``(major, minor)`` of ``device`` (default: current), as
+    ``torch.cuda.get_device_capability`` returns CUDA's compute capability.
+
+    Kiln has no compute capability levels (every kiln device runs every
+    kernel, see ``torch.accelerator.get_device_capability()["supported_dtypes"]``
+    for the dtypes), so this is ``(1, 0)`` for every device, also the
+    ``major``/``minor`` of ``get_device_properties``: below every CUDA level,
+    so code gating a CUDA-only feature on ``>= (x, y)`` (TF32, Flash
+    attention kernels) takes its portable path. Raises ``RuntimeError`` for
+    an invalid device."""
     _device_index(device, optional=True)
-    return (1, 0)
+    return _CAPABILITY
 
 
 _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues

@@ -134,6 +134,14 @@ class Event(torch.Event):
         the same device and both have been recorded and completed."""
         if not (self._enable_timing and getattr(end_event, "_enable_timing", False)):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        unrecorded = [name for name, event in (("start", self), ("end", end_event))
+                      if event.event_id == 0]
+        if unrecorded:
+            which = " and ".join(unrecorded)
+            raise RuntimeError(
+                "Both events must be recorded before calculating elapsed time; the "
+                f"{which} event{'s were' if len(unrecorded) == 2 else ' was'} never recorded "
+                "(record it with Event.record() first).")
         if self.device != end_event.device:
             raise RuntimeError(f"Both events must be on the same device; got {self.device} and "
                              f"{end_event.device}.")
@@ -156,9 +164,19 @@ def default_stream(device: Any = None) -> Stream:
     return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
 
 
+def _check_stream(stream: Any, function: str) -> None:
+    if stream is not None and not isinstance(stream, torch.Stream):
+        raise TypeError(f"{function} expected a torch.kiln.Stream or torch.Stream (or None), "
+                        f"but got {type(stream).__name__}: {stream!r}")
+
+
 def set_stream(stream: torch.Stream | None) -> None:
     """Make ``stream`` the current stream of its device and its device the
-    current device, as ``torch.cuda.set_stream`` does. ``None`` is a no-op."""
+    current device, as ``torch.cuda.set_stream`` does. ``None`` is a no-op.
+
+    Raises ``TypeError`` if ``stream`` is not a stream, ``ValueError`` if it
+    is another device's."""
+    _check_stream(stream, "torch.kiln.set_stream()")
     if stream is None:
         return
     if stream.device.type != "kiln":
@@ -173,6 +191,7 @@ class StreamContext:
     both are restored on exit. ``None`` makes it a no-op."""
 
     def __init__(self, stream: torch.Stream | None):
+        _check_stream(stream, "torch.kiln.stream()")
         self.stream = stream
         self.src_prev_stream: torch.Stream | None = None
         self.dst_prev_stream: torch.Stream | None = None

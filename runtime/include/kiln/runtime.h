@@ -61,7 +61,8 @@ extern "C" {
 /* 2: activity tracing (kilnActivity*) and kilnStreamGetId.
  * 3: bounded launch queues (KILN_LAUNCH_QUEUE_DEPTH), kilnSetHostWaitCallback,
  *    kilnRuntimeShutdown, kilnErrorRuntimeUnloading, kilnErrorInterrupted,
- *    kilnMemExportToShareableHandle, kilnMemImportFromShareableHandle. */
+ *    kilnMemExportToShareableHandle, kilnMemImportFromShareableHandle, error
+ *    classes of failed tasks (kilnTaskSetErrorClass, kilnGetLastErrorClass). */
 #define KILN_RUNTIME_VERSION 3
 
 /* ------------------------------------------------------------------------ */
@@ -101,6 +102,13 @@ KILN_API const char* kilnGetErrorString(kilnError_t error);
  * 1125899906842624 bytes (1.00 PiB); 17179869184 bytes (16.00 GiB) free of
  * 17179869184 bytes (16.00 GiB) total". */
 KILN_API const char* kilnGetLastErrorMessage(void);
+
+/* The error class of this thread's last failing call: for a failure of a task
+ * (kilnErrorLaunchFailure, returned by the synchronization that reports a
+ * sticky error or, with KILN_LAUNCH_BLOCKING=1, by the launch), the class the
+ * task set with kilnTaskSetErrorClass; 0 otherwise, and for tasks that set
+ * none. Replaced together with the message. */
+KILN_API int kilnGetLastErrorClass(void);
 
 /* Version of this runtime (KILN_RUNTIME_VERSION). Answers even when the
  * environment is invalid (it needs no device). */
@@ -293,6 +301,17 @@ KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn,
 /* Called by a running task to describe its failure before returning an error
  * code. The text is copied. Outside a task it does nothing. */
 KILN_API void kilnTaskSetErrorMessage(const char* message);
+
+/* Called by a running task, before returning an error code, to classify its
+ * failure with a number of the client's choosing (0, the default, means
+ * unclassified). The runtime keeps it with the task's message — in the sticky
+ * error, or in the failing launch with KILN_LAUNCH_BLOCKING=1 — and the call
+ * that reports the failure makes it the calling thread's
+ * kilnGetLastErrorClass(). The runtime gives the number no meaning: a client
+ * uses it to report a failed task's error as the kind it was (the PyTorch
+ * layer re-raises a kernel's IndexError as an IndexError at
+ * synchronization). Outside a task it does nothing. */
+KILN_API void kilnTaskSetErrorClass(int errorClass);
 
 /* 1 if tasks run on the calling thread at launch (KILN_LAUNCH_BLOCKING=1),
  * else 0. */

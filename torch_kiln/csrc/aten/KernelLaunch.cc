@@ -2,6 +2,8 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -14,11 +16,6 @@
 
 namespace at::kiln {
 namespace {
-
-// The exception of the last task that failed on this thread. With
-// KILN_LAUNCH_BLOCKING=1 tasks run on the launching thread, which rethrows it
-// so the error keeps its type (IndexError, ...).
-thread_local std::exception_ptr inline_task_error;
 
 // The failure of the last task that failed on this (worker) thread: kernels
 // the runtime then skips on the same stream are released on this thread, and
@@ -184,6 +181,41 @@ bool matchesDescriptor(const at::Tensor& t, const TensorDescriptor& d) {
   return true;
 }
 
+// Note [Out= arguments are resized at the call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An out= argument gets its final layout on the calling thread: the meta
+// kernel resizes its meta image (warning there, as CPU does, if a tensor
+// with elements changes shape) and the executor gives the kiln tensor that
+// layout before launching. When the CPU out= kernel then runs on the worker,
+// PyTorch's structured wrapper runs the op's meta function again on the
+// host alias, and some meta functions resize the output through an
+// intermediate shape: mse_loss's (like smooth_l1_loss's and huber_loss's)
+// sizes it as the elementwise loss, then resize_({}) for a reduction. On an
+// output that already has its final shape, [] (one element), the first step
+// warns "An output with one or more elements was resized since it had shape
+// []". CPU never shows it for F.mse_loss, whose functional kernel allocates
+// its own output; kiln reaches the out= kernel because PyTorch's
+// CompositeExplicitAutogradNonFunctional wrapper of a structured op
+// preallocates the output and calls the out= variant. So warnings about
+// resizing an out= argument are dropped on the worker: the user-facing one
+// was given at the call.
+constexpr std::string_view kOutputResizedWarning = "An output with one or more elements was resized";
+
+class OutResizeWarningFilter final : public c10::WarningHandler {
+ public:
+  OutResizeWarningFilter() : next_(c10::WarningUtils::get_warning_handler()), guard_(this) {}
+  void process(const c10::Warning& warning) override {
+    if (std::string_view(warning.msg()).substr(0, kOutputResizedWarning.size()) !=
+        kOutputResizedWarning) {
+      next_->process(warning);
+    }
+  }
+
+ private:
+  c10::WarningHandler* next_; // set before guard_ installs this handler
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+
 // The meta kernel's layout was not the CPU kernel's: from now on this op
 // takes its layouts from CPU runs (Note [Meta layouts and CPU layouts]).
 void learnLayoutsFromCpu(const OpSchemaInfo& info) {
@@ -243,7 +275,13 @@ void KernelLaunch::run() {
         stack.push_back(argument.value);
     }
   }
-  op_->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  {
+    std::optional<OutResizeWarningFilter> filter;
+    if (!out_arguments.empty()) {
+      filter.emplace(); // Note [Out= arguments are resized at the call]
+    }
+    op_->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  }
 
   // An out= kernel may have rebound its output (returned another tensor) or
   // re-strided it in place: then the kiln tensor's memory does not hold the
@@ -295,26 +333,41 @@ void KernelLaunch::run() {
   }
 }
 
+void appendInputDescription(std::string& text, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+  text += text.empty() ? "inputs (" : ", ";
+  text += c10::toString(dtype);
+  text += "[";
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    text += (k ? ", " : "") + std::to_string(sizes[k]);
+  }
+  text += "]";
+}
+
+std::string finishInputDescription(std::string text) {
+  return text.empty() ? "inputs ()" : text + ")";
+}
+
 // "inputs (Float[4, 3], Long[2])" — the runtime prefixes the op's name.
 std::string KernelLaunch::describe() const {
-  std::string text = "inputs (";
-  bool first = true;
-  const size_t end = output_count_ > 0 ? first_output_ : used_descriptors_;
-  for (size_t i = 0; i < end; ++i) {
-    const TensorDescriptor& d = descriptors_[i];
-    if (!d.defined) {
-      continue;
+  std::string text;
+  for (size_t a = 0; a < arguments_.size(); ++a) {
+    if (info_->arg_is_out[a]) {
+      continue; // outputs, not inputs
     }
-    const auto dtype = d.host_tensor.defined() ? d.host_tensor.scalar_type() : d.dtype;
-    const auto sizes = d.host_tensor.defined() ? d.host_tensor.sizes() : c10::IntArrayRef(d.sizes);
-    text += (first ? "" : ", ") + std::string(c10::toString(dtype)) + "[";
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      text += (k ? ", " : "") + std::to_string(sizes[k]);
+    const Argument& argument = arguments_[a];
+    for (uint32_t i = argument.first; i < argument.first + argument.count; ++i) {
+      const TensorDescriptor& d = descriptors_[i];
+      if (!d.defined) {
+        continue;
+      }
+      if (d.host_tensor.defined()) {
+        appendInputDescription(text, d.host_tensor.scalar_type(), d.host_tensor.sizes());
+      } else {
+        appendInputDescription(text, d.dtype, d.sizes);
+      }
     }
-    text += "]";
-    first = false;
   }
-  return text + ")";
+  return finishInputDescription(std::move(text));
 }
 
 void KernelLaunch::markWrittenAsFailed(const std::string& reason) const {
@@ -376,14 +429,11 @@ kilnError_t KernelLaunch::runTask(void* self) {
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
     return kilnSuccess;
-  } catch (const c10::Error& e) {
-    inline_task_error = std::current_exception();
-    message = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    inline_task_error = std::current_exception();
-    message = e.what();
+    // Note [Kernel errors keep their type]
+    kilnTaskSetErrorClass(static_cast<int>(c10::kiln::kernelErrorClassOf(e)));
+    message = c10::kiln::kernelErrorMessageOf(e);
   } catch (...) {
-    inline_task_error = std::current_exception();
     message = "unknown C++ exception";
   }
   message = record->describe() + ": " + message;
@@ -416,14 +466,11 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
     propagateFailedResults();
   }
   threads_ = issuingThreadCount();
-  // On failure the runtime has already called releaseTask.
-  inline_task_error = nullptr;
-  const kilnError_t status = kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
-                                            info_->schema->name().c_str());
-  if (status == kilnErrorLaunchFailure && inline_task_error) {
-    std::rethrow_exception(std::exchange(inline_task_error, nullptr));
-  }
-  KILN_CHECK(status);
+  // On failure the runtime has already called releaseTask. With
+  // KILN_LAUNCH_BLOCKING=1 a failed kernel fails its launch: raised here with
+  // its own type (Note [Kernel errors keep their type]).
+  KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, this,
+                            info_->schema->name().c_str()));
 }
 
 } // namespace at::kiln

@@ -57,6 +57,12 @@ struct TensorDescriptor {
   bool coversStorage() const;
 };
 
+// How a failed kernel's message names its inputs (tensor arguments other
+// than out=, in argument order): "inputs (Float[4, 3], Long[2])". Append each
+// tensor to an initially empty string, then finish it.
+void appendInputDescription(std::string& text, c10::ScalarType dtype, c10::IntArrayRef sizes);
+std::string finishInputDescription(std::string text);
+
 class KernelLaunch {
  public:
   // A cleared record from the pool (or a new one).

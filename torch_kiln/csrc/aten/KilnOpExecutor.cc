@@ -2,6 +2,8 @@
 // tensors that has no dedicated kiln kernel.
 #include "aten/KilnOpExecutor.h"
 
+#include <algorithm>
+#include <cctype>
 #include <exception>
 #include <memory>
 #include <string>
@@ -9,10 +11,12 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -25,6 +29,7 @@
 #include "aten/TensorAliases.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
+#include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStorage.h"
 #include "core/KilnStream.h"
@@ -101,6 +106,43 @@ namespace at::kiln {
 // PyTorch's generated wrapper runs their C++ meta function, allocates through
 // kiln, and calls the out= kernel, whose generated code honours any output
 // layout.
+
+// Note [Dtype errors at the call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A meta kernel checks shapes, not whether the CPU kernel's dtype dispatch
+// covers the arguments' dtypes: `bool @ bool` passes mm's meta function and
+// fails inside the kernel (AT_DISPATCH raises NotImplementedError
+// "\"addmm_impl_cpu_\" not implemented for 'Bool'"). CPU and CUDA raise that at
+// the call; on kiln the kernel runs on the device, so it would surface at the
+// next synchronization and the work queued behind it would be skipped.
+// PyTorch has no table of the dtypes a kernel supports, so Kiln asks the
+// kernel: the first time an aten op meets a layout class (the dtypes, ranks,
+// formats and flags of its arguments, LayoutCache::layoutClassOf), before its
+// first launch in that class, the CPU kernel runs on the calling thread on
+// *tiny images* of the arguments — zero-filled host tensors of the same
+// dtypes and ranks with every dimension cut to at most one element, other
+// arguments as given, a throwaway generator for random ops, warnings
+// discarded. If that raises NotImplementedError or TypeError, the class is
+// marked unsupported and its calls run synchronously on the real arguments,
+// which raises CPU's own error, unchanged, at the call (if that run succeeds
+// after all, the tiny images misled the probe and the class is cleared). Any
+// other outcome — success, or an error the tiny shapes caused — leaves the
+// class to the asynchronous path. The verdict is remembered per layout class
+// (LayoutCache::dtypeSupport), so the probe costs one tiny kernel per op and
+// class, on a layout-cache miss; calls served from the layout cache pay
+// nothing and nothing ever synchronizes for it. Limits: a dtype check that
+// sits behind a check the tiny images fail (a grouped convolution's channel
+// count, say) is not reached, and its error still surfaces at
+// synchronization; a TORCH_WARN_ONCE the probe reaches first is lost. Not
+// probed (OpSchemaInfo's checks_dtypes_at_call): custom (non-aten) ops, whose
+// kernels may have side effects; ops with integer arguments other than
+// dimensions and modes (sizes, lengths, counts: ctc_loss's input_lengths,
+// group_norm's N, C and HxW), which a kernel may trust, unchecked, to match
+// its tensors' shapes, so tiny images could make it read out of bounds; ops
+// taking LAPACK pivots, which are 1-based. Their dtype errors surface where
+// their kernels run (at the call for a first call's layout check). Copies
+// between dtypes, which kiln runs as CPU's copy_ on the device, check each
+// pair of dtypes once the same way (checkConversion in Copy.cc).
 
 namespace {
 
@@ -237,6 +279,23 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
     }
   }
   return *device;
+}
+
+// "inputs (Float[4], Long[2])", as a failed kernel launch names them
+// (KernelLaunch::describe).
+std::string describeInputs(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  std::string text;
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_is_out[i]) {
+      continue;
+    }
+    forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      if (t.defined()) {
+        appendInputDescription(text, t.scalar_type(), t.sizes());
+      }
+    });
+  }
+  return finishInputDescription(std::move(text));
 }
 
 // Whether an input (not an out= tensor, which composites pass empty) has no
@@ -402,6 +461,96 @@ std::optional<Stack> emptyHostImages(const OpSchemaInfo& info, const Stack& stac
   return images;
 }
 
+// ---------------------------------------------------------------- dtypes
+
+// A zero-filled host tensor with `t`'s dtype and rank and every dimension cut
+// to at most one element; host tensors (scalars) as they are.
+at::Tensor tinyImageOf(const at::Tensor& t) {
+  if (!t.defined() || t.device().is_cpu()) {
+    return t;
+  }
+  c10::SmallVector<int64_t, 6> sizes;
+  for (const int64_t size : t.sizes()) {
+    sizes.push_back(std::min<int64_t>(size, 1));
+  }
+  return at::zeros(sizes, at::TensorOptions().dtype(t.scalar_type()));
+}
+
+// Note [Dtype errors at the call]: whether the CPU kernel rejects the
+// arguments' dtypes, judged by a run on tiny images.
+LayoutCache::DtypeSupport probeDtypes(const c10::OperatorHandle& op, const OpSchemaInfo& info,
+                                      const Stack& stack, size_t first) {
+  struct DiscardingHandler final : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+  };
+  Stack args = argumentImages(info, stack, first, c10::kCPU,
+                              [](const at::Tensor& t, bool) { return tinyImageOf(t); });
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_kinds[i] == ArgKind::Generator) {
+      args[i] = c10::IValue(at::detail::createCPUGenerator()); // leaves the user's untouched
+    }
+  }
+  DiscardingHandler handler;
+  try {
+    c10::WarningUtils::WarningHandlerGuard guard(&handler);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+  } catch (const c10::NotImplementedError&) {
+    return LayoutCache::DtypeSupport::Unsupported;
+  } catch (const c10::TypeError&) {
+    return LayoutCache::DtypeSupport::Unsupported;
+  } catch (const std::exception&) {
+    // An error of the tiny shapes or values: no verdict on the dtypes.
+  }
+  return LayoutCache::DtypeSupport::Supported;
+}
+
+// ---------------------------------------------------------------- quantized
+
+// Kiln has no quantized tensors (the reference device's kernels are CPU's
+// float ones, and quantized tensors carry a quantizer kiln has no storage
+// for): asking for one on kiln raises NotImplementedError at the call, like
+// other layouts kiln lacks, naming the op, the dtype and what to do.
+
+
+// "a torch.qint8 tensor (per_tensor_affine)" or "a torch.quint8 tensor".
+std::string quantizedTensorDescription(c10::ScalarType dtype,
+                                       std::optional<c10::QScheme> scheme = std::nullopt) {
+  std::string text = "a torch." + std::string(c10::toString(dtype)) + " tensor";
+  for (char& c : text) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (scheme.has_value()) {
+    text += " (" + c10::toString(*scheme) + ")";
+  }
+  return text;
+}
+
+[[noreturn]] void raiseQuantizedNotSupported(const std::string& op_name, const std::string& what) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false, "Kiln does not support quantized tensors: ", op_name, " was asked for ", what,
+      " on a kiln device. Dequantize first and move the float tensor (t.dequantize().to(\"kiln\")), "
+      "or keep quantized tensors and the ops that use them on the CPU.");
+}
+
+std::optional<c10::ScalarType> quantizedDtypeArgument(const c10::FunctionSchema& schema,
+                                                      const Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& value = stack[first + i];
+    auto type = args[i].real_type(); // ScalarType, not the int it is passed as
+    if (type->kind() == c10::TypeKind::OptionalType) {
+      type = type->castRaw<c10::OptionalType>()->getElementType();
+    }
+    if (type->kind() == c10::TypeKind::ScalarTypeType && value.isInt()) {
+      const auto dtype = static_cast<c10::ScalarType>(value.toInt());
+      if (c10::isQIntType(dtype)) {
+        return dtype;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 // ---------------------------------------------------------------- outputs
 
 // Gives the kiln tensor `target` the sizes, strides and offset of `layout`,
@@ -432,9 +581,12 @@ at::Tensor viewOf(const at::Tensor& base, const TensorLayout& layout) {
   return at::Tensor(std::move(impl));
 }
 
-at::Tensor freshLike(const TensorLayout& layout, c10::Device device) {
+at::Tensor freshLike(const OpSchemaInfo& info, const TensorLayout& layout, c10::Device device) {
   if (!layout.defined) {
     return at::Tensor(); // e.g. a gradient that output_mask did not ask for
+  }
+  if (C10_UNLIKELY(c10::isQIntType(layout.dtype))) {
+    raiseQuantizedNotSupported(opName(info), quantizedTensorDescription(layout.dtype));
   }
   return at::empty_strided(layout.sizes, layout.strides,
                            at::TensorOptions().dtype(layout.dtype).device(device));
@@ -518,7 +670,10 @@ struct LayoutProbe {
 
 // Runs the CPU kernel now and waits (Note [How an eager op runs on kiln],
 // step 4). With `probe`, also records what the run shows about layouts
-// (Note [Meta layouts and CPU layouts]).
+// (Note [Meta layouts and CPU layouts]); such a run stands in for an
+// asynchronous launch, so a failure raises what that launch would have raised
+// at synchronization (Note [Kernel errors keep their type]). Without, the
+// kernel's error is raised as the kernel raised it, as on CPU.
 void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                       Stack* stack, size_t first, c10::Device device,
                       LayoutProbe* probe = nullptr) {
@@ -562,6 +717,16 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
              });
   stream.synchronize();
   if (outcome->error) {
+    if (probe != nullptr) {
+      try {
+        std::rethrow_exception(outcome->error);
+      } catch (const std::exception& e) {
+        c10::kiln::throwKernelFailure(
+            info.schema->name(),
+            describeInputs(info, *stack, first) + ": " + c10::kiln::kernelErrorMessageOf(e),
+            c10::kiln::kernelErrorClassOf(e));
+      }
+    }
     std::rethrow_exception(outcome->error);
   }
 
@@ -601,7 +766,7 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
       }
     }
     at::Tensor result = host.is_non_overlapping_and_dense()
-        ? freshLike(TensorLayout::of(host), device)
+        ? freshLike(info, TensorLayout::of(host), device)
         : at::empty(host.sizes(), at::TensorOptions().dtype(host.dtype()).device(device));
     // `host` is a pageable temporary of this call: the runtime stages it at
     // the copy, so the copy need not wait (Note [Kiln copies]).
@@ -718,13 +883,29 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   const MetaOutcome* cached = signature ? LayoutCache::find(*signature) : nullptr;
   MetaOutcome computed;
   if (cached == nullptr) {
+    std::optional<LayoutCache::Signature> layout_class;
+    if (info.checks_dtypes_at_call) {
+      // Note [Dtype errors at the call]
+      layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      auto support = LayoutCache::dtypeSupport(*layout_class);
+      if (support == LayoutCache::DtypeSupport::Unknown) {
+        support = probeDtypes(op, info, *stack, first);
+        LayoutCache::setDtypeSupport(*layout_class, support);
+      }
+      if (support == LayoutCache::DtypeSupport::Unsupported) {
+        runSynchronously(op, info, stack, first, device); // raises CPU's error
+        LayoutCache::setDtypeSupport(*layout_class, LayoutCache::DtypeSupport::Supported);
+        return;
+      }
+    }
     // Note [Verifying meta kernels]: is the meta kernel's layout CPU's?
     auto trust = LayoutCache::MetaTrust::Trusted;
-    std::optional<LayoutCache::Signature> layout_class;
     if (info.layouts_from_cpu.load(std::memory_order_relaxed) || !info.has_meta_kernel) {
       trust = LayoutCache::MetaTrust::Untrusted;
     } else if (info.has_fresh_returns || hasEmptyOutArgument(info, *stack, first)) {
-      layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      if (!layout_class) {
+        layout_class = LayoutCache::layoutClassOf(info, *stack, first);
+      }
       trust = layout_class ? LayoutCache::trust(*layout_class) : LayoutCache::MetaTrust::Untrusted;
     }
     LayoutProbe probe;
@@ -811,12 +992,12 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
         if (ret.is_list) {
           std::vector<at::Tensor> outputs;
           for (const auto& layout : layouts) {
-            outputs.push_back(freshLike(layout, device));
+            outputs.push_back(freshLike(info, layout, device));
             fresh.push_back(outputs.back());
           }
           results.emplace_back(c10::List<at::Tensor>(outputs));
         } else {
-          fresh.push_back(freshLike(layouts[0], device));
+          fresh.push_back(freshLike(info, layouts[0], device));
           results.emplace_back(fresh.back());
         }
         break;
@@ -856,6 +1037,41 @@ void kilnFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&kilnFallback>());
+}
+
+namespace {
+
+// Every op dispatched for a quantized tensor on kiln (QuantizedPrivateUse1):
+// creating one (Tensor.to("kiln") of a quantized tensor, empty(...,
+// dtype=torch.qint8, device="kiln"), _empty_affine_quantized) lands here.
+void quantizedFallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t first = stack->size() - num_args;
+  std::string what = "a quantized tensor";
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor() && value.toTensor().defined() && value.toTensor().is_quantized()) {
+      const at::Tensor& t = value.toTensor();
+      what = quantizedTensorDescription(t.scalar_type(), t.qscheme());
+      break;
+    }
+  }
+  if (what == "a quantized tensor") {
+    if (auto dtype = quantizedDtypeArgument(schema, *stack, first)) {
+      what = quantizedTensorDescription(*dtype);
+    }
+  }
+  const std::string name = schema.overload_name().empty()
+      ? schema.name()
+      : schema.name() + "." + schema.overload_name();
+  raiseQuantizedNotSupported(name, what);
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&quantizedFallback>());
 }
 
 } // namespace at::kiln

@@ -25,15 +25,10 @@ kilnError_t runTask(void* user_data) {
     c10::kiln::DeviceWarningCollector warnings;
     record->body->run();
     return kilnSuccess;
-  } catch (const c10::Error& e) {
-    std::string message = e.what_without_backtrace();
-    const std::string context = record->body->describe();
-    if (!context.empty()) {
-      message = context + ": " + message;
-    }
-    kilnTaskSetErrorMessage(message.c_str());
   } catch (const std::exception& e) {
-    std::string message = e.what();
+    // Note [Kernel errors keep their type]
+    kilnTaskSetErrorClass(static_cast<int>(c10::kiln::kernelErrorClassOf(e)));
+    std::string message = c10::kiln::kernelErrorMessageOf(e);
     const std::string context = record->body->describe();
     if (!context.empty()) {
       message = context + ": " + message;

@@ -304,6 +304,14 @@ TrustTable& trustTable() {
   return entries;
 }
 
+using DtypeTable = std::unordered_map<std::vector<int64_t>, LayoutCache::DtypeSupport,
+                                      SignatureHash, SignatureEqual>;
+
+DtypeTable& dtypeTable() {
+  thread_local DtypeTable entries;
+  return entries;
+}
+
 } // namespace
 
 std::optional<LayoutCache::Signature> LayoutCache::layoutClassOf(const OpSchemaInfo& info,
@@ -332,6 +340,20 @@ void LayoutCache::setTrust(const Signature& layout_class, bool trusted) {
   }
   entries[std::vector<int64_t>(layout_class.begin(), layout_class.end())] =
       trusted ? MetaTrust::Trusted : MetaTrust::Untrusted;
+}
+
+LayoutCache::DtypeSupport LayoutCache::dtypeSupport(const Signature& layout_class) {
+  auto& entries = dtypeTable();
+  const auto it = entries.find(c10::ArrayRef<int64_t>(layout_class));
+  return it == entries.end() ? DtypeSupport::Unknown : it->second;
+}
+
+void LayoutCache::setDtypeSupport(const Signature& layout_class, DtypeSupport support) {
+  auto& entries = dtypeTable();
+  if (entries.size() >= kMaxEntries) {
+    entries.clear();
+  }
+  entries[std::vector<int64_t>(layout_class.begin(), layout_class.end())] = support;
 }
 
 } // namespace at::kiln

@@ -88,6 +88,12 @@ class LayoutCache {
                                                 const torch::jit::Stack& stack, size_t first);
   static MetaTrust trust(const Signature& layout_class);
   static void setTrust(const Signature& layout_class, bool trusted);
+
+  // Note [Dtype errors at the call] (KilnOpExecutor.cc): what a tiny run of
+  // the op's CPU kernel showed about the dtypes of a layout class.
+  enum class DtypeSupport : uint8_t { Unknown, Supported, Unsupported };
+  static DtypeSupport dtypeSupport(const Signature& layout_class);
+  static void setDtypeSupport(const Signature& layout_class, DtypeSupport support);
 };
 
 } // namespace at::kiln

@@ -23,6 +23,27 @@ bool isOptionalOf(const c10::TypePtr& type, c10::TypeKind kind) {
   return type->castRaw<c10::OptionalType>()->getElementType()->kind() == kind;
 }
 
+// int, SymInt, their optionals and lists.
+bool isIntegerType(c10::TypePtr type) {
+  if (type->kind() == c10::TypeKind::OptionalType) {
+    type = type->castRaw<c10::OptionalType>()->getElementType();
+  }
+  if (type->kind() == c10::TypeKind::ListType) {
+    type = type->castRaw<c10::ListType>()->getElementType();
+  }
+  return type->kind() == c10::TypeKind::IntType || type->kind() == c10::TypeKind::SymIntType;
+}
+
+// Integer arguments that name dimensions or modes, which tiny images of the
+// tensors (same ranks) keep valid; other integers may be sizes, lengths or
+// counts that kernels trust to match their tensors' shapes.
+bool namesDimensionOrMode(const std::string& name) {
+  static const std::unordered_set<std::string> names = {
+      "dim", "dims", "dim0", "dim1", "dim2", "dimension", "reduction", "diagonal",
+  };
+  return names.count(name) != 0;
+}
+
 ArgKind argKindOf(const c10::TypePtr& type) {
   if (isTensorType(type)) {
     return ArgKind::Tensor;
@@ -189,6 +210,26 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
   info->checks_empty_inputs = checksEmptyInputs(schema.name());
   info->scalar_values_irrelevant = scalarValuesIrrelevant(schema.name());
   info->layouts_from_cpu = layoutsFromCpuList(schema.name());
+  // Only PyTorch's own kernels: they have no side effects an extra tiny run
+  // could show (random ops get a throwaway generator), unlike custom ops.
+  // Nor kernels that would trust what tiny images get wrong: integer
+  // arguments describing sizes (ctc_loss's lengths, group_norm's N, C, HxW,
+  // output sizes; a kernel may index by them unchecked), and LAPACK's pivots,
+  // which are 1-based (lu_solve, lu_unpack).
+  bool takes_tensors = false;
+  bool takes_pivots = false;
+  bool takes_sizes = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const ArgKind kind = info->arg_kinds[i];
+    takes_tensors |= kind == ArgKind::Tensor || kind == ArgKind::OptionalTensor ||
+        kind == ArgKind::TensorList || kind == ArgKind::OptionalTensorList;
+    takes_pivots |= !info->arg_is_out[i] && args[i].name().find("pivots") != std::string::npos;
+    takes_sizes |= (isIntegerType(args[i].type()) || isIntegerType(args[i].real_type())) &&
+        !namesDimensionOrMode(args[i].name());
+  }
+  info->checks_dtypes_at_call = schema.name().rfind("aten::", 0) == 0 && info->has_cpu_kernel &&
+      !info->is_data_dependent && (info->has_mutable_args || info->has_fresh_returns) &&
+      takes_tensors && !takes_pivots && !takes_sizes;
   return info;
 }
 

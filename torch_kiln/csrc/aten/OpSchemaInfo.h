@@ -78,6 +78,10 @@ struct OpSchemaInfo {
   bool has_cpu_kernel = false;
   // Index arguments may be CPU tensors (moved to the device), as on CUDA.
   bool accepts_host_indices = false;
+  // The op's dtype support is checked on the calling thread before its first
+  // launch per layout class (Note [Dtype errors at the call] in
+  // KilnOpExecutor.cc): an aten op that launches a kernel and takes tensors.
+  bool checks_dtypes_at_call = false;
   // Output layouts come from a synchronous first run of the CPU kernel per
   // argument signature, because the meta kernel disagrees with CPU's (set
   // for known ops, and learned when a kernel's result differs from its meta

@@ -43,7 +43,8 @@ namespace c10::kiln::KilnCachingAllocator {
 //    completed (checked at each allocation, process_events).
 //  * Sizes, segments and splitting. Requests are rounded up to 512 bytes
 //    (kMinBlockSize). Requests up to 256 KiB come from the small pool, whose
-//    segments (runtime allocations) are 1 MiB; larger ones from the large
+//    segments (runtime allocations) are 1 MiB (or just the rounded request
+//    when the device has no room for 1 MiB); larger ones from the large
 //    pool, whose segments have the request's size. A request takes the
 //    smallest free block of its pool and stream that is large enough and
 //    splits off the rest as a free block when the rest is at least 512 bytes
@@ -64,8 +65,9 @@ namespace c10::kiln::KilnCachingAllocator {
 //    from the cache. Only whole free segments go back to the runtime.
 //  * Out of memory. If the runtime cannot allocate, all cached free blocks of
 //    the device are released and the allocation is retried once; if it fails
-//    again, torch.OutOfMemoryError names the device, the request, and what is
-//    allocated, reserved and free.
+//    again, torch.OutOfMemoryError names the device, the request and the
+//    rounded block it takes, and what is allocated, reserved and free; it
+//    blames the host only if the device had room for that block.
 //  * Statistics follow CUDA's DeviceStats (c10/core/CachingDeviceAllocator.h),
 //    so memory_stats() has CUDA's keys ("allocated_bytes.all.current", ...).
 //  * Per-process memory fraction. set_per_process_memory_fraction(f) caps
@@ -551,6 +553,13 @@ class DeviceCache {
       releaseAllCached(context);
       status = reserve(&ptr, size);
     }
+    const size_t block_size = roundSize(requested);
+    if (status == kilnErrorMemoryAllocation && is_small && block_size < size) {
+      // No room for a whole small-pool segment (a device smaller than one,
+      // or nearly full): a segment of just this block.
+      size = block_size;
+      status = runtimeMalloc(&ptr, size);
+    }
     if (status == kilnErrorMemoryAllocation) {
       stats_.num_ooms++;
       raiseOutOfMemory(requested, size, stream.id(), context);
@@ -611,7 +620,10 @@ class DeviceCache {
     return status;
   }
 
-  [[noreturn]] void raiseOutOfMemory(size_t requested, size_t segment_size, StreamId stream_id,
+  // `attempted`: the bytes last asked of the runtime for `requested` (the
+  // rounded block, or the new segment), which is what must fit in the
+  // device's free memory and in the per-process limit.
+  [[noreturn]] void raiseOutOfMemory(size_t requested, size_t attempted, StreamId stream_id,
                                      const Context& context) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
@@ -629,15 +641,25 @@ class DeviceCache {
     c10::reportOutOfMemoryToProfiler(
         static_cast<int64_t>(requested), allocated, reserved,
         Device(DeviceType::PrivateUse1, device_));
-    if (!withinLimit(segment_size)) {
+    // "200.00 KiB (204800 bytes)", "16 bytes"
+    const auto bytes = [](size_t n) {
+      return n < 1024 ? format_size(n) : c10::str(format_size(n), " (", n, " bytes)");
+    };
+    const std::string block =
+        attempted == requested
+            ? std::string()
+            : c10::str(", which takes a block of ", bytes(attempted),
+                       " (the allocator rounds requests up to multiples of ", kMinBlockSize,
+                       " bytes)");
+    if (!withinLimit(attempted)) {
       std::ostringstream fraction;
       fraction << fraction_;
       TORCH_CHECK_WITH(
           OutOfMemoryError, false,
           "Kiln out of memory. Tried to allocate ", format_size(requested), " (", requested,
           " bytes) on kiln:", static_cast<int>(device_),
-          segment_size > roundSize(requested) ? ", which needs a new segment of " : "",
-          segment_size > roundSize(requested) ? format_size(segment_size) : "",
+          attempted > roundSize(requested) ? ", which needs a new segment of " : "",
+          attempted > roundSize(requested) ? format_size(attempted) : "",
           ", but this process may reserve at most ",
           format_size(*limit_), " there (torch.kiln.set_per_process_memory_fraction(",
           fraction.str(), ") of its ", format_size(total_bytes), " capacity) and ",
@@ -648,16 +670,17 @@ class DeviceCache {
           "batches, or raise the limit with torch.kiln.set_per_process_memory_fraction.");
     }
     TORCH_CHECK_WITH(
-        OutOfMemoryError, requested > free_bytes,
-        "Kiln out of memory: the host could not provide ", format_size(requested), " (", requested,
-        " bytes) for kiln:", static_cast<int>(device_), " although the device reports ",
+        OutOfMemoryError, attempted > free_bytes,
+        "Kiln out of memory: the host could not provide ", bytes(attempted),
+        " for kiln:", static_cast<int>(device_), " although the device reports ",
         format_size(free_bytes), " free of its ", format_size(total_bytes),
         " capacity. The reference device keeps its memory in host RAM: set KILN_DEVICE_MEMORY to "
         "what this machine can hold, or free host memory.");
     TORCH_CHECK_WITH(
         OutOfMemoryError, false,
-        "Kiln out of memory. Tried to allocate ", format_size(requested), " (",
-        requested, " bytes) on kiln:", static_cast<int>(device_), ". The device has a total capacity of ",
+        "Kiln out of memory. Tried to allocate ", bytes(requested), " on kiln:",
+        static_cast<int>(device_), block,
+        ". The device has a total capacity of ",
         format_size(total_bytes), " of which ", format_size(free_bytes),
         " is free. Of the memory in use, ", format_size(allocated),
         " is allocated by PyTorch, and ", format_size(reserved > allocated ? reserved - allocated : 0),

@@ -3,6 +3,9 @@
 // See Note [Runtime errors become c10 errors].
 #pragma once
 
+#include <exception>
+#include <string>
+
 #include <c10/util/Exception.h>
 #include <kiln/runtime.h>
 
@@ -20,9 +23,12 @@ namespace c10::kiln {
 //                                   handler throws (Python's KeyboardInterrupt;
 //                                   see Note [Ctrl-C during a host wait])
 //   - everything else            -> c10::Error (RuntimeError)
+//   - kilnErrorLaunchFailure     -> the class of the kernel's own exception,
+//                                   see Note [Kernel errors keep their type]
+//   - everything else            -> c10::Error (RuntimeError)
 // The message is the runtime's own sentence (what was asked, what is allowed),
-// prefixed by "Kiln error: " and followed by the status name. Code that must not throw (PyTorch's noexcept
-// contracts, destructors) uses KILN_WARN instead.
+// prefixed by "Kiln error: " and followed by the status name. Code that must
+// not throw (PyTorch's noexcept contracts, destructors) uses KILN_WARN instead.
 [[noreturn]] void throwRuntimeError(kilnError_t error);
 
 // Throws the exception that made the calling thread abandon a host wait (a
@@ -39,6 +45,47 @@ void setHostWaitInterruptThrower(HostWaitInterruptThrower thrower);
 using InterruptTest = bool (*)(const std::exception& e);
 void setInterruptTest(InterruptTest test);
 bool isInterrupt(const std::exception& e);
+
+// Note [Kernel errors keep their type]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A kernel that fails on a stream worker raises a c10 exception of some class
+// (c10::IndexError for an index out of range, c10::NotImplementedError for a
+// dtype its dispatch does not cover, ...), which PyTorch's bindings turn into
+// the matching Python type. The failure surfaces later, on another thread, as
+// a runtime status (Note [Sticky stream errors] in runtime/src/stream.cc), so
+// the task records the class as the runtime's *error class* of its failure
+// (kilnTaskSetErrorClass, a number the runtime only carries), and the call
+// that reports the failure re-raises that class: the same bad index raises
+// IndexError whether the kernel ran at once (a first call's layout check,
+// KILN_LAUNCH_BLOCKING=1) or asynchronously, with the same message, "Kiln
+// error: <op>: inputs (<dtypes and shapes>): <the kernel's message>
+// (kilnErrorLaunchFailure)". A kernel run synchronously in place of an
+// asynchronous launch raises its error through throwKernelFailure for that
+// reason (KilnOpExecutor.cc). Errors the executor raises at the call before
+// any kernel ran (the meta kernel's checks) are CPU's own, unchanged.
+enum class KernelErrorClass : int {
+  kError = 0, // c10::Error and anything else: RuntimeError
+  kIndexError = 1,
+  kValueError = 2,
+  kTypeError = 3,
+  kNotImplementedError = 4,
+  kLinAlgError = 5,
+  kOutOfMemoryError = 6,
+  kBufferError = 7,
+};
+
+// The class of a kernel's exception.
+KernelErrorClass kernelErrorClassOf(const std::exception& e) noexcept;
+
+// The message of a kernel's exception, without C++ backtrace.
+std::string kernelErrorMessageOf(const std::exception& e);
+
+// Raises what a failed task `task_name` reports at synchronization: the
+// runtime's message "<task_name>: <task_message>" as throwRuntimeError words
+// it, with the exception class `error_class`.
+[[noreturn]] void throwKernelFailure(const std::string& task_name,
+                                     const std::string& task_message,
+                                     KernelErrorClass error_class);
 
 // Warns (once per call site is not guaranteed; it warns each time) instead of
 // throwing; for destructors and noexcept paths.

@@ -14,16 +14,42 @@
 namespace c10::kiln {
 
 namespace {
+
+[[noreturn]] void throwWithClass(KernelErrorClass error_class, const std::string& message) {
+  switch (error_class) {
+    case KernelErrorClass::kIndexError:
+      TORCH_CHECK_INDEX(false, message);
+    case KernelErrorClass::kValueError:
+      TORCH_CHECK_VALUE(false, message);
+    case KernelErrorClass::kTypeError:
+      TORCH_CHECK_TYPE(false, message);
+    case KernelErrorClass::kNotImplementedError:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, message);
+    case KernelErrorClass::kLinAlgError:
+      TORCH_CHECK_LINALG(false, message);
+    case KernelErrorClass::kOutOfMemoryError:
+      TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+    case KernelErrorClass::kBufferError:
+      TORCH_CHECK_WITH(BufferError, false, message);
+    default:
+      TORCH_CHECK(false, message);
+  }
+}
+
+// The status name lets users search the runtime's documentation.
+std::string wordedRuntimeError(const std::string& detail, kilnError_t error) {
+  return "Kiln error: " + detail + " (" + kilnGetErrorName(error) + ")";
+}
+
+// Note [Ctrl-C during a host wait] (python/HostWaitInterrupts.cc).
 std::atomic<HostWaitInterruptThrower> g_interrupt_thrower{nullptr};
+std::atomic<InterruptTest> g_interrupt_test{nullptr};
+
 } // namespace
 
 void setHostWaitInterruptThrower(HostWaitInterruptThrower thrower) {
   g_interrupt_thrower.store(thrower, std::memory_order_release);
 }
-
-namespace {
-std::atomic<InterruptTest> g_interrupt_test{nullptr};
-} // namespace
 
 void setInterruptTest(InterruptTest test) {
   g_interrupt_test.store(test, std::memory_order_release);
@@ -41,18 +67,60 @@ void throwRuntimeError(kilnError_t error) {
     }
   }
   const char* detail = kilnGetLastErrorMessage();
-  std::string message = (detail && *detail) ? std::string(detail)
-                                            : std::string(kilnGetErrorString(error));
-  // The status name lets users search the runtime's documentation.
-  message = "Kiln error: " + message + " (" + kilnGetErrorName(error) + ")";
+  const std::string message = wordedRuntimeError(
+      (detail && *detail) ? std::string(detail) : std::string(kilnGetErrorString(error)), error);
   switch (error) {
     case kilnErrorMemoryAllocation:
       TORCH_CHECK_WITH(OutOfMemoryError, false, message);
     case kilnErrorInvalidValue:
       TORCH_CHECK_VALUE(false, message);
+    case kilnErrorLaunchFailure:
+      // Note [Kernel errors keep their type]
+      throwWithClass(static_cast<KernelErrorClass>(kilnGetLastErrorClass()), message);
     default:
       TORCH_CHECK(false, message);
   }
+}
+
+KernelErrorClass kernelErrorClassOf(const std::exception& e) noexcept {
+  // Most derived classes first (none of these derives from another).
+  if (dynamic_cast<const c10::IndexError*>(&e) != nullptr) {
+    return KernelErrorClass::kIndexError;
+  }
+  if (dynamic_cast<const c10::ValueError*>(&e) != nullptr) {
+    return KernelErrorClass::kValueError;
+  }
+  if (dynamic_cast<const c10::TypeError*>(&e) != nullptr) {
+    return KernelErrorClass::kTypeError;
+  }
+  if (dynamic_cast<const c10::NotImplementedError*>(&e) != nullptr) {
+    return KernelErrorClass::kNotImplementedError;
+  }
+  if (dynamic_cast<const c10::LinAlgError*>(&e) != nullptr) {
+    return KernelErrorClass::kLinAlgError;
+  }
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) {
+    return KernelErrorClass::kOutOfMemoryError;
+  }
+  if (dynamic_cast<const c10::BufferError*>(&e) != nullptr) {
+    return KernelErrorClass::kBufferError;
+  }
+  return KernelErrorClass::kError;
+}
+
+std::string kernelErrorMessageOf(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+void throwKernelFailure(const std::string& task_name, const std::string& task_message,
+                        KernelErrorClass error_class) {
+  // The runtime reports a task's failure as "<name>: <message>" (kilnLaunchTask
+  // in runtime.h); throwRuntimeError words it the same way.
+  throwWithClass(error_class,
+                 wordedRuntimeError(task_name + ": " + task_message, kilnErrorLaunchFailure));
 }
 
 void warnRuntimeError(kilnError_t error, const char* expression) noexcept {

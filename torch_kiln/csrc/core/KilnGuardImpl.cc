@@ -40,6 +40,27 @@ DeviceIndex KilnGuardImpl::deviceCount() const noexcept {
   return device_count();
 }
 
+DeviceCapability KilnGuardImpl::getDeviceCapability(Device d) const {
+  check_device_index(d.has_index() ? d.index() : current_device());
+  // PyTorch's contract ("supported_dtypes"): dtypes tensors can be allocated
+  // with on the device and converted between. A kiln tensor holds any dtype
+  // in device memory and converts with CPU's copy kernel, so these are the
+  // dtypes CPU converts: not the quantized ones (kiln has no quantized
+  // tensors), the bit and sub-byte placeholder dtypes, or float4_e2m1fn_x2,
+  // for which CPU has no conversions either.
+  DeviceCapability capability;
+  capability.capability_data.capability_bits = 0;
+  for (const int index :
+       {kIndex_Byte, kIndex_Char, kIndex_Short, kIndex_Int, kIndex_Long, kIndex_Half,
+        kIndex_Float, kIndex_Double, kIndex_ComplexHalf, kIndex_ComplexFloat,
+        kIndex_ComplexDouble, kIndex_Bool, kIndex_BFloat16, kIndex_Float8_e5m2,
+        kIndex_Float8_e4m3fn, kIndex_Float8_e5m2fnuz, kIndex_Float8_e4m3fnuz, kIndex_UInt16,
+        kIndex_UInt32, kIndex_UInt64, kIndex_Float8_e8m0fnu}) {
+    capability.capability_data.capability_bits |= uint64_t{1} << index;
+  }
+  return capability;
+}
+
 Stream KilnGuardImpl::getStream(Device d) const {
   return getCurrentKilnStream(d.index()).unwrap();
 }

@@ -24,6 +24,9 @@ struct KilnGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void setDevice(Device d) const override;
   void uncheckedSetDevice(Device d) const noexcept override;
   DeviceIndex deviceCount() const noexcept override;
+  // torch.accelerator.get_device_capability(): the dtypes a kiln tensor can
+  // have and convert between (see the .cc). Raises for an invalid device.
+  DeviceCapability getDeviceCapability(Device d) const override;
 
   Stream getStream(Device d) const override;
   Stream getDefaultStream(Device d) const override;
