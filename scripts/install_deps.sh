@@ -39,3 +39,47 @@ if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "install_deps: installing Python packages: ${pip_missing[*]}"
   "$PYTHON" -m pip install --quiet "${pip_missing[@]}" "torch==2.13.0"
 fi
+
+# Hugging Face transformers and accelerate, for tests/test_huggingface.py.
+# Installed with --no-deps so pip never resolves torch again; their runtime
+# dependencies are listed here instead (what importing them, Trainer,
+# Accelerator, generate() and save/from_pretrained of a local directory
+# need). "name==version" must be installed at exactly that version;
+# "name>=minimum==version" keeps any installed version from the minimum on
+# (common libraries other tools may share) and installs the pin otherwise.
+# Left out on purpose, since nothing here downloads from a hub or runs their
+# command-line tools: hf-xet (hub transfers), click and typer (CLIs), anyio
+# (httpx2's async client).
+hf_packages=(
+  transformers==5.24.0 accelerate==1.15.0 huggingface-hub==2.4.0
+  tokenizers==0.23.3 safetensors==0.8.0 regex==2026.11.19
+  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+  "tqdm>=4.60==4.70.1" "pyyaml>=5.1==6.0.4" "psutil>=5.0==7.2.2"
+  "packaging>=20.9==26.4" "h11>=0.16==0.16.0" "idna>=3.0==3.20"
+)
+# One interpreter start lists the pins to install.
+hf_missing=$("$PYTHON" - "${hf_packages[@]}" <<'PY'
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+def numbers(v):
+    return tuple(int(n) for n in re.findall(r"\d+", v.split("+")[0])[:4])
+
+for spec in sys.argv[1:]:
+    name, _, pinned = spec.partition("==")
+    name, _, minimum = name.partition(">=")
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        have = None
+    ok = have is not None and (numbers(have) >= numbers(minimum) if minimum else have == pinned)
+    if not ok:
+        print(f"{name}=={pinned}")
+PY
+)
+if [ -n "$hf_missing" ]; then
+  echo "install_deps: installing Python packages without their dependencies:" $hf_missing
+  # shellcheck disable=SC2086
+  "$PYTHON" -m pip install --quiet --no-deps $hf_missing
+fi

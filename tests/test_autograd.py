@@ -125,3 +125,31 @@ def test_reduced_losses_and_their_backward_warn_no_more_than_on_cpu():
     assert kiln_warnings == cpu_warnings == []  # not "An output ... was resized"
     for k, c in zip(kiln_values, cpu_values):
         assert_same(k, c)
+
+
+def test_silu_and_mish_backward_run_cpus_kernel():
+    # silu_backward, mish_backward and native_channel_shuffle have a CPU kernel
+    # and a decomposition; kiln used to run the decomposition (other rounding,
+    # so e.g. Llama's SiLU MLP trained off CPU's bits). Now it runs CPU's
+    # kernel, with CPU's autograd behaviour for the backward ops themselves.
+    torch.manual_seed(0)
+    x = torch.randn(64, 33) * 4
+    check(lambda x: F.silu(x).mul(x).sum(), x)
+    check(lambda x: F.mish(x).mul(x).sum(), x)
+    check(lambda x: F.channel_shuffle(x.reshape(2, 6, 11, 16)[:, :, :, :4], 3).square().sum(), x)
+    g = torch.randn(64, 33)
+    for op in (torch.ops.aten.silu_backward, torch.ops.aten.mish_backward):
+        assert_same(op(g.to("kiln"), x.to("kiln")), op(g, x))
+        for device in ("cpu", "kiln"):
+            out = op(g.to(device).requires_grad_(), x.to(device).requires_grad_())
+            assert type(out.grad_fn).__name__ == "NotImplemented", (device, out.grad_fn)
+    # Double backward still works, through silu's and mish's differentiable
+    # formulas (used when create_graph=True), as on CPU.
+    for fn in (F.silu, F.mish):
+        second = []
+        for device in ("kiln", "cpu"):
+            leaf = x.to(device).requires_grad_()
+            (first,) = torch.autograd.grad(fn(leaf).sum(), leaf, create_graph=True)
+            (grad2,) = torch.autograd.grad(first.sum(), leaf)
+            second.append(grad2)
+        assert_same(second[0], second[1])

@@ -328,3 +328,112 @@ print("ok")
 """
     result = run_python(code, {"KILN_LAUNCH_BLOCKING": "1"})
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+# --- The legacy profiler: torch.autograd.profiler.profile(use_device="kiln") ---
+# Without Kineto, PyTorch times each op between two kiln events recorded on
+# the current stream at its start and end (Note [Legacy profiler on kiln]).
+
+def legacy_profile(fn):
+    with torch.autograd.profiler.profile(use_device="kiln") as prof:
+        result = fn()
+    return prof, result
+
+
+def assert_no_negative_times(prof):
+    for e in prof.function_events:
+        assert e.time_range.start >= 0 and e.time_range.end >= e.time_range.start, e.name
+        assert e.cpu_time_total >= 0 and e.self_cpu_time_total >= 0, e.name
+        assert e.device_time_total >= 0 and e.self_device_time_total >= 0, e.name
+        assert all(k.duration >= 0 for k in e.kernels), e.name
+
+
+def test_legacy_profiler_times_a_kiln_matmul_on_the_device():
+    import time
+
+    a = torch.randn(512, 512)
+    ka = a.to("kiln")
+    (ka @ ka).cpu()  # first call of mm on this layout, outside the profile
+    start = time.perf_counter()
+    prof, product = legacy_profile(lambda: ka @ ka)  # __exit__ synchronizes
+    wall_us = (time.perf_counter() - start) * 1e6
+    assert_same(product, a @ a)
+    assert_no_negative_times(prof)
+
+    rows = {e.key: e for e in prof.key_averages()}
+    assert {"aten::matmul", "aten::mm"} <= rows.keys(), rows.keys()
+    matmul, mm = rows["aten::matmul"], rows["aten::mm"]
+    assert matmul.count == 1
+    # The kernel ran on the device after aten::mm had returned on the host:
+    # its device time is the kernel's, far longer than the launch.
+    assert mm.self_device_time_total > 0
+    assert mm.device_time_total > mm.cpu_time_total
+    # Events complete in stream order, so the device time of aten::matmul
+    # brackets that of the aten::mm it called, and all fits in the profile.
+    assert matmul.device_time_total >= max(e.device_time_total for e in prof.function_events
+                                           if e.name == "aten::mm")
+    assert matmul.device_time_total <= wall_us
+    table = prof.key_averages().table(sort_by="self_device_time_total")
+    assert "Self KILN" in table and "aten::mm" in table
+
+    # The same program profiled on CPU lists the same ops (kiln adds the
+    # allocation of the out= result it computes into).
+    cpu_prof, _ = legacy_profile(lambda: a @ a)
+    cpu_ops = {e.key for e in cpu_prof.key_averages()} - {"aten::resolve_conj"}
+    assert cpu_ops <= rows.keys(), (cpu_ops, rows.keys())
+
+
+def test_legacy_profiler_times_backward_ops_on_autograd_threads():
+    torch.manual_seed(0)
+    w = torch.randn(128, 128, requires_grad=True)
+    x = torch.randn(32, 128)
+    kw = w.detach().to("kiln").requires_grad_()
+    kx = x.to("kiln")
+    (kx @ kw).relu().sum().backward()  # first calls, outside the profile
+    kw.grad = None
+    torch.kiln.synchronize()
+
+    def step():
+        (kx @ kw).relu().sum().backward()
+        return kw.grad
+
+    prof, grad = legacy_profile(step)
+    (x @ w).relu().sum().backward()
+    assert_same(grad, w.grad)
+    assert_no_negative_times(prof)
+    backward_mms = [e for e in prof.function_events
+                    if e.name == "aten::mm" and e.thread != prof.function_events[0].thread]
+    assert backward_mms, "no aten::mm on autograd's kiln device thread"
+    assert sum(e.device_time_total for e in backward_mms) > 0
+
+
+def test_legacy_profiler_does_not_warn_and_leaves_kineto_profiling_intact():
+    # Before kiln registered its ProfilerStubs, every op's profiler callback
+    # threw "PrivateUse1 used in profiler but not enabled" (logged to stderr
+    # once per op) and CPU times came out negative.
+    code = """
+import torch, warnings
+from torch.profiler import profile, ProfilerActivity
+warnings.simplefilter("error")
+a = torch.randn(64, 64, device="kiln")
+(a @ a).cpu()
+for _ in range(2):
+    with torch.autograd.profiler.profile(use_device="kiln") as prof:
+        for _ in range(20):
+            b = (a @ a).relu()
+    rows = {e.key: e for e in prof.key_averages()}
+    assert rows["aten::mm"].count >= 20 and rows["aten::mm"].self_device_time_total > 0, rows
+    assert all(e.cpu_time_total >= 0 and e.device_time_total >= 0 for e in prof.function_events)
+    # Kineto's path, before and after: device kernels from kiln's plugin.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as kprof:
+        (a @ a).cpu()
+    kernels = [e.name for e in kprof.events() if e.device_type == torch.autograd.DeviceType.PrivateUse1]
+    assert "aten::mm" in kernels, kernels
+assert torch.equal(b.cpu(), (a.cpu() @ a.cpu()).relu())
+print("ok")
+"""
+    result = run_python(code)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+    assert "used in profiler but not enabled" not in result.stderr
+    assert "Exception in RecordFunction callback" not in result.stderr
+    assert "could not" not in result.stderr  # the stubs' own warnings

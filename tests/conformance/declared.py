@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from compare import Tolerance
 
-_COMPOSITE_BACKWARD = (
-    "silu_backward/mish_backward have a CompositeImplicitAutograd kernel that PrivateUse1 "
-    "receives instead of CPU's fused kernel; overriding it would drop its autograd formula "
-    "(Note [Composite kernels vs CPU kernels], PreferCpuKernels.cc): last-bit differences")
 _RNN_CPU_BRANCH = (
     "ATen's RNN layer (RNN.cpp FullLayer) precomputes the input projection for all time "
     "steps only when input.is_cpu(); kiln takes the per-step branch, so weight_ih/bias_ih "
@@ -36,12 +32,6 @@ _LSTSQ_NONDETERMINISTIC = (
 
 # (op, dtype name or None, pass or None) -> (tolerance, reason)
 TOLERANCES: dict[tuple[str, str | None, str | None], tuple[Tolerance, str]] = {
-    ("nn.functional.silu", None, "backward"): (Tolerance(atol=1e-6, rtol=1e-6),
-                                               _COMPOSITE_BACKWARD),
-    ("nn.functional.mish", None, "backward"): (Tolerance(atol=1e-6, rtol=1e-6),
-                                               _COMPOSITE_BACKWARD),
-    ("nn.SiLU", None, "modules"): (Tolerance(atol=1e-6, rtol=1e-6), _COMPOSITE_BACKWARD),
-    ("nn.Mish", None, "modules"): (Tolerance(atol=1e-6, rtol=1e-6), _COMPOSITE_BACKWARD),
     ("nn.RNN.train_mode", None, "modules"): (Tolerance(atol=1e-5, rtol=1e-5), _RNN_CPU_BRANCH),
     ("nn.RNN.eval_mode", None, "modules"): (Tolerance(atol=1e-5, rtol=1e-5), _RNN_CPU_BRANCH),
 }

@@ -17,10 +17,19 @@
 // outputs in a layout that differs from CPU's (Note [Meta layouts and CPU
 // layouts]): the executor then runs them and takes CPU's layouts.
 //
-// Operators whose generic kernel is CompositeImplicitAutograd (silu_backward,
-// mish_backward, native_channel_shuffle) are left alone: overriding them
-// would also remove their autograd formula. They may differ from CPU in the
-// last bits.
+// Three operators have a CPU kernel and a CompositeImplicitAutograd
+// decomposition (silu_backward, mish_backward, native_channel_shuffle).
+// Without a PrivateUse1 kernel, kiln would run the decomposition, both for
+// the result (other rounding: Llama's SiLU MLP then trained off CPU's bits)
+// and for autograd (differentiable through the decomposed ops). CPU and CUDA
+// instead run their kernel under the operator's Autograd kernel (generated
+// VariableType code, which for these operators is "not implemented": silu's
+// and mish's own derivatives call them only with grad mode off, and use
+// differentiable formulas otherwise). Registering the executor for
+// PrivateUse1 gives kiln exactly that: once a backend kernel exists, the
+// dispatcher takes AutogradPrivateUse1 from the Autograd kernel instead of
+// from the decomposition. We do it only where that Autograd kernel exists,
+// so a composite operator never loses a derivative CPU has.
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -63,6 +72,11 @@ std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
     }
     const bool composite_default =
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    // See the note above: decompositions that CPU does not run.
+    const bool cpu_kernel_over_decomposition =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd);
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
         !(composite_default && selectsKernelByDeviceType(name))) {
       continue;
@@ -72,7 +86,7 @@ std::vector<c10::OperatorName> operatorsNeedingCpuKernel() {
     const bool structured_with_wrong_layout =
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
         metaLayoutsKnownWrong(name.name);
-    if (composite_default || structured_with_wrong_layout) {
+    if (composite_default || structured_with_wrong_layout || cpu_kernel_over_decomposition) {
       result.push_back(name);
     }
   }
