@@ -157,3 +157,36 @@ print(torch.equal(k.cpu(), c))
     result = run_python(code, {"KILN_LAUNCH_QUEUE_DEPTH": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+PINNED_INTERRUPT_SCRIPT = """
+import os, signal, threading, torch
+N = 1 << 20
+k = torch.full((N,), 7.0, device="kiln")
+p = torch.full((N,), 3.0).pin_memory()
+torch.kiln.synchronize()
+torch.kiln._sleep(1500)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    {copy}
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+del p  # the interrupted copy is still queued: its pinned block must not be reused early
+q = torch.empty(N).pin_memory()
+q.fill_(55.0)
+torch.kiln.synchronize()
+print(torch.unique(q).tolist(), torch.unique(k.cpu()).tolist())
+"""
+
+
+@pytest.mark.parametrize("direction,copy,expected_k", [
+    ("kiln_to_pinned", "p.copy_(k)", "[7.0]"),
+    ("pinned_to_kiln", "k.copy_(p)", "[3.0]"),
+])
+def test_interrupted_blocking_pinned_copy_does_not_reach_the_blocks_next_owner(
+        direction, copy, expected_k):
+    result = run_python(PINNED_INTERRUPT_SCRIPT.format(copy=copy), timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "KeyboardInterrupt", result.stdout
+    assert lines[1] == f"[55.0] {expected_k}", result.stdout

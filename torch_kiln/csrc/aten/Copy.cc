@@ -128,6 +128,22 @@ void protectPinned(const at::Tensor& host, const KilnStream& stream) {
       ->record_event(data_ptr.get(), data_ptr.get_context(), stream.unwrap());
 }
 
+// Waits for a blocking copy. If the wait is abandoned (Ctrl-C, Note [Ctrl-C
+// during a host wait]) the copy is still queued: a pinned host side is then
+// kept from reuse until it ran, so the late copy cannot reach the block's
+// next owner (pageable sources were staged; pageable destinations are
+// written before the runtime returns).
+void synchronizeProtectingPinned(const KilnStream& stream, const at::Tensor& host) {
+  try {
+    stream.synchronize();
+  } catch (...) {
+    if (isPinned(host)) {
+      protectPinned(host, stream);
+    }
+    throw;
+  }
+}
+
 // dst = src on the device, by ATen's CPU copy_ run as a kernel on `stream`.
 void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnStream& stream) {
   static const auto copy_op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
@@ -176,7 +192,7 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
     return;
   }
   recordSyncOp("aten::_copy_from");
-  stream.synchronize(); // a blocking copy has completed when it returns
+  synchronizeProtectingPinned(stream, staged); // a blocking copy has completed when it returns
 }
 
 // `sync_op` names the op counted as a sync op when the copy waits.
@@ -203,7 +219,7 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
     return;
   }
   recordSyncOp(sync_op);
-  stream.synchronize(); // raises a pending kernel error first...
+  synchronizeProtectingPinned(stream, landing); // raises a pending kernel error first...
   c10::kiln::checkNotFailedResult(src.storage().data()); // ...then refuses never-computed values
   if (!landing.is_same(dst)) {
     dst.copy_(landing);
