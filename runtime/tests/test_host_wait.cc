@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -15,7 +16,6 @@ using kiln_test::ChildParam;
 using kiln_test::ExpectChildPasses;
 using kiln_test::GateGuard;
 using kiln_test::Launch;
-using kiln_test::LaunchGate;
 using kiln_test::LastMessage;
 using kiln_test::MakeGate;
 
@@ -44,6 +44,18 @@ struct CallbackGuard {
   ~CallbackGuard() { kilnSetHostWaitCallback(nullptr, nullptr, 0); }
 };
 
+// Launches a gate on `s` and returns once the stream's worker is running it,
+// so the stream's queue is empty and everything launched next waits behind a
+// running task (no sleeping on the timing of the worker).
+void LaunchRunningGate(kilnStream_t s, const kiln_test::GatePtr& gate) {
+  auto started = std::make_shared<std::atomic<bool>>(false);
+  ASSERT_KILN_OK(Launch(s, [gate, started] {
+    started->store(true);
+    gate->Wait();
+  }, "gate"));
+  while (!started->load()) std::this_thread::yield();
+}
+
 }  // namespace
 
 // --- The launch queue ---------------------------------------------------------
@@ -56,10 +68,7 @@ TEST(ChildLaunchQueue, HostLaunchWaitsForRoom) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
-  // The gate is running once the stream is busy and its queue empty again;
-  // wait until it has been popped.
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LaunchRunningGate(s, gate);
   std::atomic<int> ran{0};
   for (int i = 0; i < 4; ++i) ASSERT_KILN_OK(Launch(s, [&ran] { ran.fetch_add(1); }));
   std::atomic<bool> fifth_returned{false};
@@ -146,7 +155,7 @@ TEST_P(InterruptibleWait, IsAbandonedWhenTheCallbackAsks) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
+  LaunchRunningGate(s, gate);
   kilnEvent_t ev = nullptr;
   ASSERT_KILN_OK(kilnEventCreate(&ev));
   ASSERT_KILN_OK(kilnEventRecord(ev, s));
@@ -217,8 +226,7 @@ TEST(ChildLaunchQueue, LaunchWaitingForRoomCanBeAbandoned) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LaunchRunningGate(s, gate);
   ASSERT_KILN_OK(Launch(s, [] {}));  // fills the depth-1 queue
   std::thread stopper([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -249,8 +257,7 @@ TEST(ChildShutdown, DropsQueuedWorkAndRefusesMore) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LaunchRunningGate(s, gate);
   std::atomic<int> ran{0};
   auto released = std::make_shared<std::atomic<int>>(0);
   struct Counted {
@@ -300,8 +307,7 @@ TEST(ChildShutdown, WakesLaunchesWaitingForRoom) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LaunchRunningGate(s, gate);
   ASSERT_KILN_OK(Launch(s, [] {}));  // fills the depth-1 queue
   std::atomic<int> result{-1};
   std::thread launcher([&] { result.store(Launch(s, [] {})); });
@@ -323,7 +329,7 @@ TEST(ChildShutdown, LetsQueuedWorkDrainFirst) {
   ASSERT_KILN_OK(kilnStreamCreate(&s));
   auto gate = MakeGate();
   GateGuard guard{gate};
-  ASSERT_KILN_OK(LaunchGate(s, gate));
+  LaunchRunningGate(s, gate);
   std::atomic<int> ran{0};
   for (int i = 0; i < 5; ++i) ASSERT_KILN_OK(Launch(s, [&ran] { ran.fetch_add(1); }));
   std::thread opener([&] {
