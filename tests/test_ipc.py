@@ -100,6 +100,33 @@ def test_sender_keeps_memory_until_the_receiver_releases_it():
     assert torch.kiln.ipc_collect() == 0
 
 
+def _sparse_child(to_child, to_parent):
+    coo, csr = to_child.get(timeout=TIMEOUT)
+    to_parent.put((coo.layout, str(coo.device), coo.is_coalesced(), coo.to_dense().cpu(),
+                   csr.layout, str(csr.device), csr.to_dense().cpu()))
+    coo._values().mul_(2)  # members share memory: seen by the parent
+    torch.kiln.synchronize(coo.device)
+    to_parent.put("written")
+    to_child.get(timeout=TIMEOUT)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_sparse_tensors_share_their_members(device):
+    dense = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0]])
+    coo, csr = dense.to_sparse().to(device), dense.to_sparse_csr().to(device)
+    with child_process(_sparse_child) as (to_child, to_parent):
+        to_child.put((coo, csr))
+        seen = to_parent.get(timeout=TIMEOUT)
+        assert seen[:3] == (torch.sparse_coo, device, True)
+        assert_same(seen[3], dense)
+        assert seen[4:6] == (torch.sparse_csr, device)
+        assert_same(seen[6], dense)
+        assert to_parent.get(timeout=TIMEOUT) == "written"
+        assert_same(coo.to_dense(), dense * 2)
+        to_child.put(None)
+
+
 def test_tensors_that_cannot_be_shared_raise_when_pickled():
     x = torch.ones(3, device="kiln", requires_grad=True)
     with pytest.raises(RuntimeError, match="non-leaf tensor which requires_grad"):

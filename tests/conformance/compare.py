@@ -104,6 +104,20 @@ def _assert_same_tensor(actual: torch.Tensor, expected: torch.Tensor, device_typ
         if not same:
             raise Mismatch(f"{path}: strides {actual.stride()} on kiln, "
                            f"{expected.stride()} on CPU (shape {tuple(expected.shape)})")
+    if expected.layout != torch.strided:
+        # Sparse: the same nnz and members (indices in the same order), each
+        # compared as a dense tensor.
+        if actual._nnz() != expected._nnz():
+            raise Mismatch(f"{path}: nnz {actual._nnz()} on kiln, {expected._nnz()} on CPU")
+        if expected.layout == torch.sparse_coo and (
+                actual.is_coalesced() != expected.is_coalesced()):
+            raise Mismatch(f"{path}: is_coalesced {actual.is_coalesced()} on kiln, "
+                           f"{expected.is_coalesced()} on CPU")
+        for name, a, e in zip(("indices", "values") if expected.layout == torch.sparse_coo
+                              else ("compressed indices", "plain indices", "values"),
+                              _sparse_members(actual), _sparse_members(expected)):
+            _assert_same_tensor(a, e, device_type, tolerance, False, f"{path}.{name}")
+        return
     host = actual.detach().cpu().resolve_conj().resolve_neg()
     want = expected.detach().resolve_conj().resolve_neg()
     if tolerance.exact:
@@ -115,6 +129,15 @@ def _assert_same_tensor(actual: torch.Tensor, expected: torch.Tensor, device_typ
         except AssertionError as error:
             raise Mismatch(f"{path}: {_first_line(str(error))} "
                            f"(tolerance atol={tolerance.atol} rtol={tolerance.rtol})") from None
+
+
+def _sparse_members(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    t = t.detach()
+    if t.layout == torch.sparse_coo:
+        return t._indices(), t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    return t.ccol_indices(), t.row_indices(), t.values()
 
 
 def _assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:

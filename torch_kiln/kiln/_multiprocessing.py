@@ -108,13 +108,31 @@ def _reduce_tensor(tensor: torch.Tensor):
             "transfer the data, call detach() on the tensor before serializing (e.g., "
             "putting it on the queue).")
     if tensor.layout != torch.strided:
-        raise RuntimeError(
-            f"Cannot send a {tensor.layout} kiln tensor to another process: only strided "
-            f"kiln tensors can be shared. Send tensor.cpu() instead.")
+        return _reduce_sparse_tensor(tensor)
     return (_rebuild_kiln_tensor,
             (type(tensor), _share_storage(tensor.untyped_storage()), tensor.dtype,
              tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(),
              tensor.requires_grad))
+
+
+def _reduce_sparse_tensor(sparse: torch.Tensor):
+    """A sparse kiln tensor travels as its member tensors, each shared like
+    any kiln tensor, and is rebuilt with torch's own sparse rebuilders (as
+    torch.multiprocessing does for CPU and CUDA sparse tensors)."""
+    if sparse.layout is torch.sparse_coo:
+        return (_torch_reductions.rebuild_sparse_coo_tensor,
+                (*_reduce_tensor(sparse._indices()), *_reduce_tensor(sparse._values()),
+                 sparse.shape, sparse.is_coalesced()))
+    if sparse.layout in (torch.sparse_csr, torch.sparse_bsr):
+        compressed, plain = sparse.crow_indices(), sparse.col_indices()
+    elif sparse.layout in (torch.sparse_csc, torch.sparse_bsc):
+        compressed, plain = sparse.ccol_indices(), sparse.row_indices()
+    else:
+        raise RuntimeError(f"Cannot send a {sparse.layout} kiln tensor to another process. "
+                           f"Send tensor.cpu() instead.")
+    return (_torch_reductions.rebuild_sparse_compressed_tensor,
+            (*_reduce_tensor(compressed), *_reduce_tensor(plain),
+             *_reduce_tensor(sparse.values()), sparse.shape, sparse.layout))
 
 
 def _reduce_untyped_storage(storage: torch.UntypedStorage):

@@ -26,10 +26,10 @@
 #include "aten/LayoutCache.h"
 #include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
+#include "aten/SparseTensors.h"
 #include "aten/TensorAliases.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
-#include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStorage.h"
 #include "core/KilnStream.h"
@@ -748,6 +748,9 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   auto toKiln = [&](const at::Tensor& host, const ReturnInfo& r) -> at::Tensor {
     if (!host.defined()) {
       return host;
+    }
+    if (host.layout() != c10::kStrided) { // dense.to_sparse(), ...
+      return sparseHostResultToKiln(host, device);
     }
     if (r.kind == ReturnKind::View) {
       // A view of an argument: find the kiln tensor whose bytes it shares.

@@ -99,6 +99,10 @@ bool isDataDependent(const std::string& name) {
       "aten::unique_dim_consecutive", "aten::bincount",  "aten::repeat_interleave",
       "aten::_local_scalar_dense",    "aten::equal",     "aten::is_nonzero",
       "aten::_assert_async",  "aten::nonzero_numpy",
+      // Dense to sparse: nnz is the count of nonzeros (Note [Sparse tensors
+      // on kiln] in SparseTensors.cc).
+      "aten::_to_sparse",     "aten::_to_sparse_csr",    "aten::_to_sparse_csc",
+      "aten::_to_sparse_bsr", "aten::_to_sparse_bsc",
   };
   return names.count(name) != 0;
 }
