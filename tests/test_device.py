@@ -147,3 +147,17 @@ def test_tensor_and_module_methods():
 def test_get_device_module():
     assert torch.get_device_module("kiln") is torch.kiln
     assert torch.get_device_module(torch.device("kiln:1")) is torch.kiln
+
+
+def test_a_bad_device_index_gives_one_message_in_every_api():
+    assert torch.kiln.device_count() == 2  # the default count these tests run with
+    expected = ("Invalid device kiln:5: Kiln has 2 devices (kiln:0 to kiln:1). Use an index in "
+                "that range, or set KILN_DEVICE_COUNT to change the number of devices.")
+    calls = [lambda: torch.ones(1, device="kiln:5"), lambda: torch.ones(1).to("kiln:5"),
+             lambda: torch.kiln.set_device(5), lambda: torch.kiln.Stream(device=5),
+             lambda: torch.kiln.get_device_properties(5), lambda: torch.kiln.synchronize(5),
+             lambda: torch.kiln.memory_allocated(5)]
+    for call in calls:
+        with pytest.raises(RuntimeError) as error:
+            call()
+        assert str(error.value).splitlines()[0] == expected

@@ -127,6 +127,18 @@ def test_sparse_tensors_share_their_members(device):
         to_child.put(None)
 
 
+def _send_and_exit_child(to_child, to_parent):
+    to_parent.put(torch.ones(4, device="kiln"))  # then exits before the parent reads
+
+
+def test_receiving_after_the_sender_exited_says_so():
+    with child_process(_send_and_exit_child) as (_, to_parent):
+        pass  # waits for the child to exit
+    with pytest.raises(RuntimeError, match="the process that sent it exited before"):
+        to_parent.get(timeout=TIMEOUT)
+    assert_same(torch.ones(2, device="kiln") * 2, torch.full((2,), 2.0))  # kiln still works
+
+
 def test_tensors_that_cannot_be_shared_raise_when_pickled():
     x = torch.ones(3, device="kiln", requires_grad=True)
     with pytest.raises(RuntimeError, match="non-leaf tensor which requires_grad"):

@@ -69,11 +69,27 @@ def _share_storage(storage: torch.UntypedStorage) -> tuple:
     return (memory, allocation_size, offset, nbytes, device, alive)
 
 
+def _receive_fd(dup_fd) -> int:
+    """The file descriptor a DupFd carries; multiprocessing fetches it from
+    the sending process, which must still be alive."""
+    try:
+        return dup_fd.detach()
+    except (OSError, EOFError) as error:  # FileNotFoundError, ConnectionRefusedError, ...
+        raise RuntimeError(
+            "Cannot receive a kiln tensor: the process that sent it exited before this "
+            "process read it. As with CUDA tensors, keep the sending process alive until "
+            "every receiver has read its messages.") from error
+
+
 def _import_storage(memory, allocation_size, offset, nbytes, device, alive):
-    alive_fd = alive.detach()
+    alive_fd = _receive_fd(alive)
     if memory is None:
         return _C._import_storage(-1, 0, 0, 0, device, alive_fd)
-    fd = memory.detach()
+    try:
+        fd = _receive_fd(memory)
+    except RuntimeError:
+        os.close(alive_fd)
+        raise
     try:
         stat = os.fstat(fd)
         key = ("kiln", stat.st_dev, stat.st_ino, offset, nbytes)

@@ -42,9 +42,11 @@ def _device_index(device: Any, optional: bool = False) -> int:
     if index >= 0:
         count = _C._get_device_count()
         if index >= count:
+            # The same words as the C++ check (check_device_index in
+            # KilnFunctions.cc), whichever API is given the bad index.
+            devices = "device (kiln:0)" if count == 1 else f"devices (kiln:0 to kiln:{count - 1})"
             raise RuntimeError(
-                f"Invalid device kiln:{index}: Kiln has {count} device"
-                f"{'' if count == 1 else 's'}. Use an index below {count}, or set "
-                "KILN_DEVICE_COUNT to change the number of devices."
+                f"Invalid device kiln:{index}: Kiln has {count} {devices}. Use an index in "
+                "that range, or set KILN_DEVICE_COUNT to change the number of devices."
             )
     return index
