@@ -749,8 +749,16 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     if (!host.defined()) {
       return host;
     }
-    if (host.layout() != c10::kStrided) { // dense.to_sparse(), ...
-      return sparseHostResultToKiln(host, device);
+    if (host.layout() != c10::kStrided) { // dense.to_sparse(), sparse gradients, ...
+      std::vector<at::Tensor> kiln_arguments;
+      for (size_t i = 0; i < num_args; ++i) {
+        forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+          if (t.defined() && t.device().is_privateuseone()) {
+            kiln_arguments.push_back(t);
+          }
+        });
+      }
+      return sparseHostResultToKiln(host, device, kiln_arguments);
     }
     if (r.kind == ReturnKind::View) {
       // A view of an argument: find the kiln tensor whose bytes it shares.
@@ -864,7 +872,9 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       "ATen's CPU kernels and this operator has none. Please file an issue with the program "
       "that needs it.");
 
-  if (info.is_data_dependent) {
+  if (info.is_data_dependent ||
+      (info.sparse_flag_arg >= 0 &&
+       (*stack)[first + static_cast<size_t>(info.sparse_flag_arg)].toBool())) {
     runSynchronously(op, info, stack, first, device);
     return;
   }

@@ -207,6 +207,11 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
     info->returns.push_back(r);
   }
   info->is_data_dependent = info->has_non_tensor_returns || isDataDependent(schema.name());
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == "sparse" && args[i].type()->kind() == c10::TypeKind::BoolType) {
+      info->sparse_flag_arg = static_cast<int>(i);
+    }
+  }
   info->has_dynamic_output_shape = op.hasTag(at::Tag::dynamic_output_shape);
   info->has_meta_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta);
   info->has_cpu_kernel = op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);

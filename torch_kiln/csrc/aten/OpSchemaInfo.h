@@ -59,6 +59,10 @@ struct OpSchemaInfo {
   // Output sizes depend on tensor values (nonzero, masked_select, unique, ...)
   // or the op returns values read from device data (item, equal, ...).
   bool is_data_dependent = false;
+  // Index of a `bool sparse` argument (embedding backward kernels): when it
+  // is true the result is a sparse tensor whose nnz depends on the data, so
+  // the call runs synchronously (Note [Sparse tensors on kiln]). -1 if none.
+  int sparse_flag_arg = -1;
   // PyTorch tags the op dynamic_output_shape: some of its output sizes may
   // depend on data (linalg_lstsq's residuals, index with boolean masks, ...).
   // Without a meta kernel to tell, such an op's layouts are never learned

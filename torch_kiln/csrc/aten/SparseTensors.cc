@@ -38,7 +38,9 @@
 #include <ATen/ops/sparse_resize_and_clear_native.h>
 #include <ATen/ops/sparse_resize_native.h>
 #include <ATen/ops/values_native.h>
+#include <ATen/ops/zero_native.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -195,16 +197,10 @@ class SparseHostMapping {
       const at::Tensor old_values = kiln._values();
       const at::Tensor new_indices = host._indices();
       const at::Tensor new_values = host._values();
-      if (kiln.sparse_dim() == host.sparse_dim() && kiln.dense_dim() == host.dense_dim() &&
-          old_indices.sizes().equals(new_indices.sizes()) &&
-          old_values.sizes().equals(new_values.sizes())) {
-        impl->raw_resize_(host.sparse_dim(), host.dense_dim(), host.sizes());
-        updateMember(old_indices, new_indices);
-        updateMember(old_values, new_values);
-      } else {
-        impl->raw_resize_(host.sparse_dim(), host.dense_dim(), host.sizes());
-        impl->set_indices_and_values_unsafe(denseToKiln(new_indices), denseToKiln(new_values));
-      }
+      at::Tensor indices = memberAfter(old_indices, new_indices);
+      at::Tensor values = memberAfter(old_values, new_values);
+      impl->raw_resize_(host.sparse_dim(), host.dense_dim(), host.sizes());
+      impl->set_indices_and_values_unsafe(indices, values);
       impl->set_coalesced(host.is_coalesced());
       return;
     }
@@ -214,16 +210,27 @@ class SparseHostMapping {
     const at::Tensor new_values = host.values();
     TORCH_CHECK_NOT_IMPLEMENTED(kiln.layout() == host.layout(), "an op changed the layout of a ",
                                 kiln.layout(), " kiln tensor to ", host.layout());
-    if (old_compressed.sizes().equals(new_compressed.sizes()) &&
-        old_plain.sizes().equals(new_plain.sizes()) &&
-        old_values.sizes().equals(new_values.sizes()) && kiln.sizes().equals(host.sizes())) {
-      updateMember(old_compressed, new_compressed);
-      updateMember(old_plain, new_plain);
-      updateMember(old_values, new_values);
-    } else {
-      at::sparse_csr::get_sparse_csr_impl(kiln)->set_member_tensors(
-          denseToKiln(new_compressed), denseToKiln(new_plain), denseToKiln(new_values),
-          host.sym_sizes());
+    at::sparse_csr::get_sparse_csr_impl(kiln)->set_member_tensors(
+        memberAfter(old_compressed, new_compressed), memberAfter(old_plain, new_plain),
+        memberAfter(old_values, new_values), host.sym_sizes());
+  }
+
+  // A dense out= argument's stand-in: a host copy the kernel may resize
+  // (kernels of structured ops' sparse out= variants also expect it to hold
+  // its sizes already, as the structured wrapper allocated it).
+  at::Tensor stagedDense(const at::Tensor& kiln) {
+    const auto options = kiln.options().device(c10::kCPU);
+    at::Tensor copy = kiln.is_non_overlapping_and_dense()
+        ? at::empty_strided(kiln.sizes(), kiln.strides(), options)
+        : at::empty(kiln.sizes(), options);
+    staging_.emplace_back(copy, denseToHost(kiln));
+    return copy;
+  }
+
+  // Kiln tensors `host` results may alias (a dense kernel's arguments).
+  void addKnownKilnTensor(const at::Tensor& kiln) {
+    if (isKiln(kiln) && kiln.layout() == c10::kStrided) {
+      dense_.push_back(kiln);
     }
   }
 
@@ -257,6 +264,7 @@ class SparseHostMapping {
   at::Tensor stagedCopy(const at::Tensor& member) {
     at::Tensor copy = at::empty(member.sizes(), member.options().device(c10::kCPU));
     staging_.emplace_back(copy, denseToHost(member));
+    staged_members_.emplace_back(copy.storage().unsafeGetStorageImpl(), member);
     return copy;
   }
 
@@ -271,9 +279,15 @@ class SparseHostMapping {
     const void* data = host.storage().data();
     if (data != nullptr) {
       for (const at::Tensor& k : dense_) {
-        if (k.storage().data() == data && k.scalar_type() == host.scalar_type()) {
+        if (k.storage().data() != data) {
+          continue;
+        }
+        if (k.scalar_type() == host.scalar_type()) {
           return k.as_strided(host.sizes(), host.strides(), host.storage_offset());
         }
+        // A view with another dtype (view_as_real of complex values).
+        return at::empty({0}, k.options().dtype(host.dtype()))
+            .set_(k.storage(), host.storage_offset(), host.sizes(), host.strides());
       }
     }
     const auto options = host.options().device(device_);
@@ -287,17 +301,26 @@ class SparseHostMapping {
     return result;
   }
 
-  // Puts a mutated member's new values into the kiln member in place (users
-  // holding s.values() see them, as on CPU), unless it is the member itself.
-  void updateMember(const at::Tensor& kiln_member, const at::Tensor& host_member) {
+  // The kiln member a mutated sparse argument holds after the kernel, as on
+  // CPU: if the kernel wrote into the member in place (the stand-in still
+  // holds the staged copy, same sizes), the kiln member is updated in place,
+  // so tensors sharing it (s._values() views, another sparse tensor built on
+  // the same values) see the write; if the kernel gave the tensor new members
+  // (CPU's mul_ and add_ do), the kiln tensor gets new members too and the
+  // old ones are left alone.
+  at::Tensor memberAfter(const at::Tensor& kiln_member, const at::Tensor& host_member) {
     if (isKiln(host_member)) {
-      return;
+      return host_member;
     }
-    const void* data = host_member.storage().data();
-    if (data != nullptr && data == kiln_member.storage().data()) {
-      return; // the kernel wrote through the alias
+    const c10::StorageImpl* storage = host_member.storage().unsafeGetStorageImpl();
+    for (const auto& [staged, member] : staged_members_) {
+      if (staged == storage && member.storage().is_alias_of(kiln_member.storage()) &&
+          host_member.sizes().equals(kiln_member.sizes())) {
+        kiln_member.copy_(host_member, /*non_blocking=*/true); // staged: see denseToKiln
+        return kiln_member;
+      }
     }
-    kiln_member.copy_(host_member, /*non_blocking=*/true);
+    return denseToKiln(host_member);
   }
 
   c10::Device device_;
@@ -305,6 +328,8 @@ class SparseHostMapping {
   std::vector<at::Tensor> dense_; // kiln strided tensors aliased so far
   std::vector<std::pair<at::Tensor, at::Tensor>> staging_;
   std::vector<std::pair<const c10::TensorImpl*, at::Tensor>> sparse_stand_ins_;
+  // (storage of a staged member copy, the kiln member it was copied from)
+  std::vector<std::pair<const c10::StorageImpl*, at::Tensor>> staged_members_;
 };
 
 template <typename F>
@@ -432,8 +457,7 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
     const bool out = info.arg_is_out[i];
     host_args.push_back(mapTensors(value, [&](const at::Tensor& t) -> at::Tensor {
       if (out && isKiln(t) && t.layout() == c10::kStrided) {
-        // The kernel may resize it; copied into the kiln tensor afterwards.
-        return at::empty({0}, t.options().device(c10::kCPU));
+        return mapping.stagedDense(t); // copied into the kiln tensor afterwards
       }
       return mapping.toHost(t, isMutated(t));
     }));
@@ -452,10 +476,15 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
     std::exception_ptr error;
   };
   auto outcome = std::make_shared<Outcome>();
+  // Stand-ins made under torch.inference_mode() are inference tensors, which
+  // kernels may update in place only in inference mode: the task runs in the
+  // caller's mode.
+  const bool inference_mode = c10::InferenceMode::is_enabled();
   launchTask(stream, schema.name().c_str(),
-             [op, args = std::move(host_args), staging = mapping.takeStaging(),
-              outcome]() mutable {
+             [op, args = std::move(host_args), staging = mapping.takeStaging(), outcome,
+              inference_mode]() mutable {
                try {
+                 const c10::InferenceMode mode(inference_mode);
                  for (auto& [destination, source] : staging) {
                    destination.copy_(source);
                  }
@@ -534,6 +563,10 @@ at::Tensor sparseWithDimsAndTensors(int64_t sparse_dim, int64_t dense_dim,
                                     std::optional<at::Device> device,
                                     std::optional<bool> pin_memory,
                                     std::optional<bool> is_coalesced) {
+  TORCH_CHECK(indices.device() == values.device(),
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              indices.device(), " and ", values.device(),
+              "! (indices and values of a sparse COO tensor)");
   const c10::OptionalDeviceGuard guard(device ? device : std::optional<c10::Device>(values.device()));
   return at::native::new_with_dims_and_tensor_sparse_symint(
       sparse_dim, dense_dim, size, indices, values, dtype, layout, device, pin_memory,
@@ -550,9 +583,13 @@ at::Tensor emptySparse(c10::SymIntArrayRef size, std::optional<at::ScalarType> d
 
 } // namespace
 
-at::Tensor sparseHostResultToKiln(const at::Tensor& host, c10::Device device) {
+at::Tensor sparseHostResultToKiln(const at::Tensor& host, c10::Device device,
+                                  c10::ArrayRef<at::Tensor> kiln_arguments) {
   TORCH_INTERNAL_ASSERT(isSparseLayout(host.layout()));
   SparseHostMapping mapping(device);
+  for (const at::Tensor& t : kiln_arguments) {
+    mapping.addKnownKilnTensor(t);
+  }
   return mapping.toKiln(host);
 }
 
@@ -575,6 +612,7 @@ TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
   m.impl("sparse_resize_", TORCH_FN(at::native::sparse_resize_));
   m.impl("sparse_resize_and_clear_", TORCH_FN(at::native::sparse_resize_and_clear_));
   m.impl("copy_", TORCH_FN(at::native::copy_sparse_wrapper_));
+  m.impl("zero_", TORCH_FN(at::native::zero_sparse_)); // resize_and_clear_: no device work
   // Across devices too (copy_ of a CPU sparse tensor into a kiln one).
   m.impl("copy_sparse_to_sparse_", TORCH_FN(at::native::copy_sparse_));
 }
