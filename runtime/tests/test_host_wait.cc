@@ -189,7 +189,9 @@ TEST_P(InterruptibleWait, IsAbandonedWhenTheCallbackAsks) {
   EXPECT_KILN_OK(kilnStreamSynchronize(s));
   EXPECT_KILN_OK(kilnEventSynchronize(ev));
   // An abandoned synchronous copy was never enqueued: its destination is untouched.
-  if (which == "SynchronousCopy") EXPECT_EQ(host[0], 0);
+  if (which == "SynchronousCopy") {
+    EXPECT_EQ(host[0], 0);
+  }
   EXPECT_KILN_OK(kilnFree(dev));
   EXPECT_KILN_OK(kilnEventDestroy(ev));
   EXPECT_KILN_OK(kilnStreamDestroy(s));
