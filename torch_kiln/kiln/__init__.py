@@ -313,3 +313,22 @@ __all__ = [
     "stream",
     "synchronize",
 ]
+
+# Inductor's lazy hook for a PrivateUse1 device (init_backend_registration in
+# torch/_inductor/codegen/common.py) looks these names up on torch.kiln the
+# first time Inductor compiles anything. Kiln uses the lookup as its trigger
+# and registers itself (torch_kiln.compiler.inductor.register), with the
+# custom backend pass that carries kiln's part of the cache key, which the
+# hook's own registration would drop; the names then stay undefined so the
+# hook keeps that registration instead of overwriting it.
+_INDUCTOR_HOOK_NAMES = frozenset(
+    ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INDUCTOR_HOOK_NAMES:
+        from torch_kiln.compiler.inductor import register
+
+        register()
+    raise AttributeError(f"module 'torch.kiln' has no attribute '{name}'")

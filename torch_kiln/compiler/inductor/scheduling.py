@@ -1,0 +1,46 @@
+"""``KilnScheduling``: Inductor's C++ (CPU) code generator for the kiln device.
+
+Kiln device memory is host-addressable on the reference device, so the
+kernels Inductor writes for CPU are correct kiln kernels as they are; what
+differs is how they are *called*. ``define_kernel`` emits each kernel with a
+kiln entry trampoline (``kernels.entry_trampoline``) and defines it in the
+wrapper as ``kiln_cpp_kernel(name, signature, source)``, a
+``torch_kiln._C._GeneratedKernel`` that the wrapper launches on the current
+kiln stream (See Note [Compiled code runs in stream order] in ``__init__.py``).
+Everything else — loop generation, vectorization, fusion decisions — is
+``CppScheduling``'s.
+"""
+
+from __future__ import annotations
+
+from torch._inductor import config
+from torch._inductor.codegen.cpp import CppScheduling
+from torch._inductor.utils import Placeholder, get_fused_kernel_name
+from torch._inductor.virtualized import V
+
+from torch_kiln.compiler.inductor import kernels
+
+# The name of the C function every kernel is compiled under (one kernel per
+# shared library, as Inductor's Python wrapper does for CPU).
+KERNEL_SYMBOL = "kernel"
+
+
+class KilnScheduling(CppScheduling):
+    def define_kernel(self, src_code, nodes, kernel_args=None):
+        wrapper = V.graph.wrapper_code
+        if src_code in wrapper.src_to_kernel:
+            return wrapper.src_to_kernel[src_code]
+        descriptive = get_fused_kernel_name(nodes, config.cpp.descriptive_names) if config.cpp.descriptive_names else ""
+        kernel_name = "_".join(["kiln_cpp", descriptive, wrapper.next_kernel_suffix()])
+        wrapper.src_to_kernel[src_code] = kernel_name
+        source = (
+            src_code.replace(str(Placeholder.KERNEL_NAME), KERNEL_SYMBOL)
+            .replace(str(Placeholder.DESCRIPTIVE_NAME), kernel_name)
+            .replace("#pragma CMT", "//")
+        )
+        args = self.kernel_group.args if kernel_args is None else kernel_args
+        _, _, arg_types = args.cpp_argdefs()
+        signature, trampoline = kernels.entry_trampoline(KERNEL_SYMBOL, arg_types)
+        body = f"kiln_cpp_kernel({kernel_name!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
+        wrapper.define_kernel(kernel_name, body, gpu=False)
+        return kernel_name
