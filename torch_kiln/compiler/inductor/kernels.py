@@ -76,6 +76,24 @@ extern "C" void {kernel_name}{ENTRY_SUFFIX}(const int64_t* packed) {{
     return "".join(kinds), source
 
 
+# What Inductor's C++ kernels write for an indirect index out of range
+# (CppKernel.indirect_assert): a TORCH_CHECK that throws.
+INDEX_CHECK_MARKER = "index out of bounds:"
+
+
+def needs_serial_build(source: str) -> bool:
+    """Whether ``source`` must be built without OpenMP.
+
+    A C++ exception that leaves an OpenMP parallel region calls
+    ``std::terminate``: a kernel whose indirect-index check throws inside
+    ``#pragma omp parallel`` would kill the process instead of raising
+    IndexError at the next synchronization. Kiln builds such kernels
+    without OpenMP (their pragmas are ignored and the loops run on the stream
+    worker alone), so the check's exception reaches the task and becomes the
+    stream's sticky error like an eager kernel's."""
+    return INDEX_CHECK_MARKER in source
+
+
 def load_kernel(name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
     """Compiles ``source`` (a generated kernel plus its trampoline) with
     Inductor's C++ code cache and returns a ``_GeneratedKernel`` named
@@ -85,6 +103,7 @@ def load_kernel(name: str, signature: str, source: str, entry: str = "kernel" + 
     source does not compile."""
     from torch._inductor.codecache import CppCodeCache
 
-    library = CppCodeCache.load(source)
+    extra_flags = ("-fno-openmp",) if needs_serial_build(source) else ()
+    library = CppCodeCache.load(source, extra_flags=extra_flags)
     address = ctypes.cast(getattr(library, entry), ctypes.c_void_p).value
     return _C._GeneratedKernel(name, address, signature)

@@ -26,6 +26,25 @@ KERNEL_SYMBOL = "kernel"
 
 
 class KilnScheduling(CppScheduling):
+    # Note [Intra-op threads of kiln kernels]: a kiln kernel runs on a stream
+    # worker with the launching thread's torch.get_num_threads(), set by the
+    # task before it runs. Inductor's C++ code fixes the count at compile time
+    # (`#pragma omp parallel num_threads(N)`) unless N is the machine's core
+    # count or cpp.dynamic_threads is on; kiln's kernels always take the
+    # count at run time (`#pragma omp parallel`), so torch.set_num_threads
+    # reaches compiled kernels as it reaches eager ones. Scoped to kiln's code
+    # generation, and part of the cache key through this file's hash
+    # (cache_key.py).
+    _kiln_config = {"cpp.dynamic_threads": True}
+
+    def codegen_node(self, node):
+        with config.patch(self._kiln_config):
+            return super().codegen_node(node)
+
+    def codegen_template(self, *args, **kwargs):
+        with config.patch(self._kiln_config):
+            return super().codegen_template(*args, **kwargs)
+
     def define_kernel(self, src_code, nodes, kernel_args=None):
         wrapper = V.graph.wrapper_code
         if src_code in wrapper.src_to_kernel:

@@ -14,6 +14,10 @@
 namespace at::kiln {
 namespace {
 
+// What Inductor's C++ kernels say for an indirect index out of range
+// (torch_kiln/compiler/inductor/kernels.py, INDEX_CHECK_MARKER).
+constexpr const char* kIndexCheckMarker = "index out of bounds:";
+
 std::optional<std::string> firstFailedInput(const std::vector<const void*>& reads) {
   for (const void* data : reads) {
     if (auto reason = c10::kiln::failedResultReason(data)) {
@@ -45,14 +49,20 @@ struct GeneratedKernelTask final : TaskBody {
     try {
       call.entry(call.packed.data());
     } catch (const std::exception& e) {
-      markWritten(call.written_storages,
-                  std::string(call.name) + ": " + c10::kiln::kernelErrorMessageOf(e));
+      const std::string message = c10::kiln::kernelErrorMessageOf(e);
+      markWritten(call.written_storages, std::string(call.name) + ": " + message);
+      // Inductor's indirect-index check is a plain TORCH_CHECK; eager kiln
+      // (and CPU) raise IndexError for the same bad index.
+      if (message.find(kIndexCheckMarker) != std::string::npos &&
+          dynamic_cast<const c10::IndexError*>(&e) == nullptr) {
+        TORCH_CHECK_INDEX(false, message);
+      }
       throw; // KilnTask makes it the stream's sticky error, keeping its type.
     }
   }
 
   std::string describe() const override {
-    return std::string("compiled kernel ") + call.name;
+    return "a kernel compiled by torch.compile";
   }
 
   void skipped() override {

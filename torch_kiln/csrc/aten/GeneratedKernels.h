@@ -44,6 +44,10 @@ struct GeneratedKernelCall {
   // internKernelName).
   const char* name = nullptr;
   std::vector<int64_t> packed;
+  // Values of 0-dim CPU tensor arguments (scalars), copied at the call; the
+  // packed slot of such an argument points into this vector, which must not
+  // change size after those pointers are taken.
+  std::vector<int64_t> host_scalars;
   // First bytes of the kiln storages the kernel reads / writes, for
   // Note [Results of failed kernels]. Never dereferenced here.
   std::vector<const void*> read_storages;

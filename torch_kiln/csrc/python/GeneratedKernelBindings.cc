@@ -7,6 +7,8 @@
 // the wrapper passes, following the kernel's signature string (one letter per
 // argument of the generated kernel, in order):
 //   'r'  a kiln tensor the kernel reads     -> its data_ptr()
+//        (or a 0-dim CPU tensor, a scalar   -> a pointer to a copy of its
+//         value that the task owns)
 //   'w'  a kiln tensor the kernel writes    -> its data_ptr()
 //   'i'  an integer (size, stride, offset)  -> int64
 //   'f'  a floating-point scalar            -> the bits of a double
@@ -51,6 +53,7 @@ class GeneratedKernel {
     call.entry = entry_;
     call.name = name_;
     call.packed.reserve(signature_.size());
+    std::vector<size_t> host_scalar_slots; // indices into call.packed
     for (size_t i = 0; i < signature_.size(); ++i) {
       PyObject* arg = args[i].ptr();
       switch (signature_[i]) {
@@ -59,6 +62,21 @@ class GeneratedKernel {
           TORCH_CHECK_TYPE(THPVariable_Check(arg), "kiln: compiled kernel ", name_, ": argument ",
                            i, " must be a tensor, got ", Py_TYPE(arg)->tp_name);
           const at::Tensor& tensor = THPVariable_Unpack(arg);
+          if (signature_[i] == 'r' && tensor.device().is_cpu() && tensor.dim() == 0) {
+            // A 0-dim CPU tensor acts as a scalar, as in eager: its value at
+            // the call is copied into the task, which must not read host
+            // memory the program may change before it runs (KilnTask.h).
+            TORCH_CHECK_VALUE(tensor.element_size() <= static_cast<int64_t>(sizeof(int64_t)),
+                              "kiln: compiled kernel ", name_, ": argument ", i,
+                              " is a 0-dim CPU tensor of dtype ", tensor.scalar_type(),
+                              ", wider than the 8 bytes a scalar argument can hold");
+            call.packed.push_back(0); // replaced by a pointer into call.host_scalars below
+            host_scalar_slots.push_back(call.packed.size() - 1);
+            int64_t value = 0;
+            std::memcpy(&value, tensor.const_data_ptr(), tensor.element_size());
+            call.host_scalars.push_back(value);
+            break;
+          }
           const c10::Device expected(c10::DeviceType::PrivateUse1,
                                      static_cast<c10::DeviceIndex>(device));
           TORCH_CHECK_VALUE(tensor.device() == expected, "kiln: compiled kernel ", name_,
@@ -94,6 +112,11 @@ class GeneratedKernel {
           break;
         }
       }
+    }
+    // host_scalars no longer grows: its elements keep their addresses when
+    // the call moves into the task.
+    for (size_t k = 0; k < host_scalar_slots.size(); ++k) {
+      call.packed[host_scalar_slots[k]] = reinterpret_cast<int64_t>(&call.host_scalars[k]);
     }
     const auto stream = c10::kiln::getCurrentKilnStream(static_cast<c10::DeviceIndex>(device));
     at::kiln::launchGeneratedKernel(stream, std::move(call));
