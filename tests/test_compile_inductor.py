@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import math
 import os
+import uuid
 
 import pytest
 import torch
@@ -331,8 +332,10 @@ def test_codegen_is_part_of_the_cache_key(monkeypatch):
         counters.clear()
         torch.compile(fn)(x)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1
-        # A different kiln code generator must not reuse that code.
-        monkeypatch.setattr(KilnCodegenPass, "uuid", lambda self: "another kiln codegen")
+        # A different kiln code generator must not reuse that code (a fresh
+        # id: the cache directory outlives this test).
+        other = f"another kiln codegen {uuid.uuid4()}"
+        monkeypatch.setattr(KilnCodegenPass, "uuid", lambda self: other)
         torch._dynamo.reset()
         counters.clear()
         assert_close(torch.compile(fn)(x), fn(x))

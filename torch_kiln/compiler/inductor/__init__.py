@@ -76,7 +76,9 @@ def register() -> None:
             register_device_op_overrides,
         )
 
-        from torch_kiln.compiler import register_device_interface
+        import torch._dynamo.device_interface  # noqa: F401  (kiln's interface registers on import)
+
+        from torch_kiln.compiler import register_dynamo_hooks
         from torch_kiln.compiler.inductor import fixes
         from torch_kiln.compiler.inductor.cache_key import KilnCodegenPass
         from torch_kiln.compiler.inductor.device_op_overrides import KilnDeviceOpOverrides
@@ -86,7 +88,10 @@ def register() -> None:
             KilnPythonWrapperCodegen,
         )
 
-        register_device_interface()
+        # Inductor looks the device's DeviceInterface up (decode_device,
+        # reductions); the Dynamo half registers it (Note [Registering with
+        # Dynamo lazily]); this makes sure it is in place.
+        register_dynamo_hooks()
         register_device_op_overrides("kiln", KilnDeviceOpOverrides())
         register_backend_for_device(
             "kiln",
