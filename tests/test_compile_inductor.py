@@ -331,3 +331,10 @@ def test_codegen_is_part_of_the_cache_key(monkeypatch):
         assert_close(torch.compile(fn)(x), fn(x))
         assert counters["inductor"]["fxgraph_cache_hit"] == 0
         assert counters["inductor"]["fxgraph_cache_miss"] == 1
+
+
+def test_cpp_wrapper_raises_a_clear_error():
+    x = torch.randn(4, device="kiln")
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        with pytest.raises(Exception, match="cpp_wrapper=True is not supported on kiln yet"):
+            torch.compile(lambda t: t.cos() + 1)(x)

@@ -70,6 +70,8 @@ class KilnCppWrapperCodegen:
     """``cpp_wrapper=True`` on kiln: not supported yet (a clear error instead
     of a C++ wrapper that would call kernels on the calling thread)."""
 
+    supports_caching = False  # read by compile_fx before create()
+
     @staticmethod
     def create(*args, **kwargs):
         raise NotImplementedError(
