@@ -175,7 +175,7 @@ def test_index_out_of_range_raises_at_synchronize_and_later_work_runs():
     good = fn(x, torch.tensor([1, 2], device="kiln"))
     assert_close(good, x[torch.tensor([1, 2], device="kiln")] * 2)
     bad = fn(x, torch.tensor([0, 9], device="kiln"))
-    with pytest.raises(IndexError, match="index out of bounds"):
+    with pytest.raises(IndexError, match=r"in compiled graph .*index out of bounds"):
         torch.kiln.synchronize()
     with pytest.raises(RuntimeError, match="index out of bounds"):
         bad.cpu()  # its storage holds no result (Note [Results of failed kernels])
@@ -338,3 +338,21 @@ def test_cpp_wrapper_raises_a_clear_error():
     with torch._inductor.config.patch(cpp_wrapper=True):
         with pytest.raises(Exception, match="cpp_wrapper=True is not supported on kiln yet"):
             torch.compile(lambda t: t.cos() + 1)(x)
+
+
+def test_out_of_memory_inside_a_compiled_graph():
+    fn = torch.compile(lambda a: torch.cat([a * 2, a * 3, a * 4, a * 5, a * 6]))
+    x = torch.randn(3 * 2**18, device="kiln:1")  # 3 MiB; the output needs 15 MiB
+    expected = torch.cat([x * 2, x * 3, x * 4, x * 5, x * 6])
+    fn(x)  # compiled and run once with no limit: the error below is the run's
+    torch.kiln.synchronize(1)
+    torch.kiln.empty_cache()
+    total = torch.kiln.get_device_properties(1).total_memory
+    limit = torch.kiln.memory_reserved(1) + 8 * 2**20
+    try:
+        torch.kiln.set_per_process_memory_fraction(limit / total, 1)
+        with pytest.raises(torch.OutOfMemoryError, match="kiln:1"):
+            fn(x)
+    finally:
+        torch.kiln.set_per_process_memory_fraction(1.0, 1)
+    assert_close(fn(x), expected)  # the device and the compiled function work afterwards

@@ -25,6 +25,12 @@ from torch_kiln.compiler.inductor import kernels
 KERNEL_SYMBOL = "kernel"
 
 
+def _graph_name() -> str:
+    from torch._functorch._aot_autograd.logging_utils import get_aot_graph_name
+
+    return get_aot_graph_name()
+
+
 class KilnScheduling(CppScheduling):
     # Note [Intra-op threads of kiln kernels]: a kiln kernel runs on a stream
     # worker with the launching thread's torch.get_num_threads(), set by the
@@ -60,6 +66,10 @@ class KilnScheduling(CppScheduling):
         args = self.kernel_group.args if kernel_args is None else kernel_args
         _, _, arg_types = args.cpp_argdefs()
         signature, trampoline = kernels.entry_trampoline(KERNEL_SYMBOL, arg_types)
-        body = f"kiln_cpp_kernel({kernel_name!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
+        # Errors name the kernel and its graph, e.g. "kiln_cpp_fused_index_0
+        # in compiled graph model__0_forward_1" (AOTAutograd's graph name,
+        # as TORCH_LOGS=output_code shows it).
+        label = f"{kernel_name} in compiled graph {_graph_name()}"
+        body = f"kiln_cpp_kernel({label!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
         wrapper.define_kernel(kernel_name, body, gpu=False)
         return kernel_name
