@@ -356,3 +356,11 @@ def test_out_of_memory_inside_a_compiled_graph():
     finally:
         torch.kiln.set_per_process_memory_fraction(1.0, 1)
     assert_close(fn(x), expected)  # the device and the compiled function work afterwards
+
+
+def test_reduce_overhead_warns_and_runs_as_default_mode():
+    fn = torch.compile(lambda t: t.sin() * 2, mode="reduce-overhead")
+    x = torch.randn(8, device="kiln")
+    with pytest.warns(UserWarning, match="reduce-overhead' has no kiln graph capture yet"):
+        out = fn(x)
+    assert_close(out, x.sin() * 2)
