@@ -364,3 +364,17 @@ def test_reduce_overhead_warns_and_runs_as_default_mode():
     with pytest.warns(UserWarning, match="reduce-overhead' has no kiln graph capture yet"):
         out = fn(x)
     assert_close(out, x.sin() * 2)
+
+
+def test_kernels_take_their_thread_count_at_run_time():
+    # Note [Intra-op threads of kiln kernels]: no thread count fixed at
+    # compile time in kiln kernels, so torch.set_num_threads reaches them.
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(256, 64, device="kiln")
+    torch._dynamo.reset()
+    out, sources = run_and_get_code(torch.compile(lambda t: (t * 2).sum(1)), x)
+    assert_close(out, (x * 2).sum(1))
+    code = "\n".join(sources)
+    assert ".launch(0, " in code and "#pragma omp parallel" in code
+    assert "num_threads(" not in code

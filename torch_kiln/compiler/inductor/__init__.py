@@ -41,13 +41,22 @@ Triton kernels fit between CUDA's eager kernels:
   should have written are marked (Note [Results of failed kernels]).
 * The graph runs on the stream current *when it is called* (``with
   torch.kiln.stream(s): compiled(x)`` puts every kernel on ``s``), on the
-  device the wrapper names: the wrapper enters ``torch.kiln.device(N)`` for
-  the graph's device and every launch and allocation names ``kiln:N``.
+  device the wrapper names: every launch (``launch(N, ...)``) and allocation
+  (``device='kiln:N'``) names the graph's device, and the wrapper enters
+  ``torch.kiln.device(N)`` around extern kernels as CUDA's does. (Inductor
+  flushes C++ kernels after it closes the guard, so a launch may stand
+  outside it; naming the device makes that harmless.)
 * Intra-op threads: a generated kernel's OpenMP region uses the stream
   worker's thread count, which the task sets from the launching thread's
   ``torch.get_num_threads()`` (Note [Intra-op threads of kiln kernels]);
-  ``fixes.py`` makes kiln kernels always take that count at run time rather
-  than a count fixed at compile time.
+  ``KilnScheduling`` makes kiln kernels always take that count at run time
+  rather than a count fixed at compile time.
+* Errors inside OpenMP regions: a C++ exception leaving ``#pragma omp
+  parallel`` terminates the process, so kernels with an indirect-index check
+  are built without OpenMP (``kernels.needs_serial_build``). Integer division
+  by zero uses Inductor's own error flag instead of throwing; that flag is a
+  global of the kernel's library, so the same kernel running at the same time
+  on two streams could misreport it (not handled yet).
 """
 
 from __future__ import annotations
