@@ -25,6 +25,15 @@ _REDUCE_OVERHEAD_WARNING = (
 )
 
 
+def _device_index(device: torch.device) -> int:
+    # Inductor normalizes devices through the DeviceInterface (decode_device),
+    # so a kiln device here has its index; writing the current device instead
+    # would put a kiln:1 graph's work on kiln:0.
+    if device.index is None:
+        raise RuntimeError(f"kiln: Inductor generated code for {device} without a device index")
+    return device.index
+
+
 class KilnPythonWrapperCodegen(PythonWrapperCodegen):
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
@@ -63,7 +72,7 @@ class KilnPythonWrapperCodegen(PythonWrapperCodegen):
             )
         if triton:
             raise NotImplementedError("kiln: Triton kernels do not run on kiln; Inductor's C++ code does")
-        index = device.index if device.index is not None else torch.kiln.current_device()
+        index = _device_index(device)
         args = ", ".join([str(index), *map(str, call_args)])
         self.writeline(f"{kernel_name}.launch({args})")
 
@@ -72,7 +81,7 @@ class KilnPythonWrapperCodegen(PythonWrapperCodegen):
             return super().make_allocation(name, device, dtype, shape, stride, allocation_shape, is_pinned)
         if allocation_shape is None:
             allocation_shape = shape
-        index = device.index if device.index is not None else torch.kiln.current_device()
+        index = _device_index(device)
         shape_code = self.codegen_python_shape_tuple(shape)
         allocation_code = self.codegen_python_shape_tuple(allocation_shape)
         stride_code = self.codegen_python_shape_tuple(stride)
