@@ -364,6 +364,27 @@ def test_current_device_guard_recompiles_per_device():
     assert counter.frame_count == 2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_context_in_compiled_code_breaks_the_graph_and_is_correct(backend):
+    """`with torch.kiln.device(i):` is not traced (Note [Registering with
+    Dynamo lazily] says why): Dynamo falls back to running the frame
+    eagerly, so factories inside the block land on kiln:i as in eager."""
+    counter = CompileCounterWithBackend(backend)
+
+    def f(x):
+        y = x + 1
+        with torch.kiln.device(1):
+            z = torch.ones(2, device="kiln")
+            index = torch.kiln.current_device()
+        return y * 2, z, index
+
+    x = torch.zeros(2, device="kiln")
+    y, z, index = torch.compile(f, backend=counter)(x)
+    assert (y.device, z.device, index) == (torch.device("kiln:0"), torch.device("kiln:1"), 1)
+    assert torch.kiln.current_device() == 0
+    assert_same(y, torch.full((2,), 2.0))
+
+
 def test_bad_stream_arguments_in_compiled_code_raise_like_eager():
     def f(x):
         with torch.kiln.stream("not a stream"):
