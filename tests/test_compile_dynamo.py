@@ -302,6 +302,7 @@ def stream_program(x, side):
     side.wait_event(start)
     done = side.record_event()
     cur.wait_event(done)
+    torch.kiln.default_stream(x.device).wait_stream(side)
     torch.kiln.synchronize()
     torch.kiln.synchronize(x.device)
     torch.accelerator.synchronize()
@@ -332,6 +333,26 @@ def test_stream_calls_become_stream_ops_in_the_graph():
     assert "torch.ops.streams.record_event" in code
     assert "torch.ops.streams.wait_event" in code
     assert "torch_kiln" not in code  # nothing calls kiln's Python API at run time
+
+
+def test_stream_ops_survive_aot_autograd():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    side = torch.kiln.Stream()
+    x = torch.randn(8, device="kiln")
+    out = torch.compile(stream_program, backend=aot_autograd(fw_compiler=forward_compiler),
+                        fullgraph=True)(x, side)
+    assert_same(out, stream_program(x, side).cpu())
+    (code,) = graphs
+    assert "torch.ops.streams.synchronize_device.default('kiln', 0)" in code
+    assert "subgraph_wait_stream" in code and "torch.ops.streams.record_event" in code
 
 
 def test_stream_created_in_compiled_code_and_set_stream():
@@ -418,6 +439,8 @@ def test_device_interface_is_registered_for_kiln():
     assert di.is_bf16_supported() and di.is_dtype_supported(torch.bfloat16)
     assert not di.is_triton_capable()
     assert issubclass(di.Stream, torch.Stream) and issubclass(di.Event, torch.Event)
+    # streams.py's traced default_stream() names the device type by number.
+    assert torch.kiln.default_stream().device_type == torch.kiln.streams._KILN_DEVICE_TYPE
     side = torch.kiln.Stream()
     with di.stream(side):
         assert torch.kiln.current_stream() == side
