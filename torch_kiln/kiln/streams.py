@@ -181,6 +181,10 @@ class Event(torch.Event):
         return _C._event_elapsed_time(self.event_id, end_event.event_id)
 
 
+# c10::DeviceType::PrivateUse1, as torch.Stream's device_type field holds it.
+_KILN_DEVICE_TYPE = 20
+
+
 def _wrap(stream: torch.Stream) -> Stream:
     return Stream(stream_id=stream.stream_id, device_index=stream.device_index,
                   device_type=stream.device_type)
@@ -196,7 +200,10 @@ def current_stream(device: Any = None) -> Stream:
 
 def default_stream(device: Any = None) -> Stream:
     """The default stream of ``device`` (default: current device)."""
-    current = torch.accelerator.current_stream(_device_index(device, optional=True))
+    index = _device_index(device, optional=True)
+    if torch.compiler.is_compiling():  # Note [torch.kiln under torch.compile]
+        return torch.Stream(stream_id=0, device_index=index, device_type=_KILN_DEVICE_TYPE)
+    current = torch.accelerator.current_stream(index)
     return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
 
 
