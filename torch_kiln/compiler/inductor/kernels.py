@@ -94,16 +94,27 @@ def needs_serial_build(source: str) -> bool:
     return INDEX_CHECK_MARKER in source
 
 
-def load_kernel(name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
+def load_kernel(async_compile, name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
     """Compiles ``source`` (a generated kernel plus its trampoline) with
     Inductor's C++ code cache and returns a ``_GeneratedKernel`` named
     ``name`` launching its function ``entry``.
 
-    Raises what Inductor's C++ compilation raises (``CppCompileError``) if the
-    source does not compile."""
-    from torch._inductor.codecache import CppCodeCache
+    ``async_compile`` is the wrapper module's ``AsyncCompile``: with more
+    than one compile thread (``torch._inductor.config.compile_threads``) the
+    compilation runs in Inductor's compile workers, as CPU kernels' do, and
+    this returns a future that the module's ``async_compile.wait(globals())``
+    resolves. Raises what Inductor's C++ compilation raises
+    (``CppCompileError``) if the source does not compile."""
+    from torch._inductor.async_compile import get_compile_threads
+    from torch._inductor.codecache import CppCodeCache, LambdaFuture
 
     extra_flags = ("-fno-openmp",) if needs_serial_build(source) else ()
-    library = CppCodeCache.load(source, extra_flags=extra_flags)
-    address = ctypes.cast(getattr(library, entry), ctypes.c_void_p).value
-    return _C._GeneratedKernel(name, address, signature)
+
+    def make(library):
+        address = ctypes.cast(getattr(library, entry), ctypes.c_void_p).value
+        return _C._GeneratedKernel(name, address, signature)
+
+    if get_compile_threads() <= 1:
+        return make(CppCodeCache.load(source, extra_flags=extra_flags))
+    get_result = CppCodeCache.load_async(source, submit_fn=async_compile.submit, extra_flags=extra_flags)
+    return LambdaFuture(lambda: make(get_result()))

@@ -4,7 +4,7 @@ Kiln device memory is host-addressable on the reference device, so the
 kernels Inductor writes for CPU are correct kiln kernels as they are; what
 differs is how they are *called*. ``define_kernel`` emits each kernel with a
 kiln entry trampoline (``kernels.entry_trampoline``) and defines it in the
-wrapper as ``kiln_cpp_kernel(name, signature, source)``, a
+wrapper as ``kiln_cpp_kernel(async_compile, name, signature, source)``, a
 ``torch_kiln._C._GeneratedKernel`` that the wrapper launches on the current
 kiln stream (See Note [Compiled code runs in stream order] in ``__init__.py``).
 Everything else — loop generation, vectorization, fusion decisions — is
@@ -70,6 +70,6 @@ class KilnScheduling(CppScheduling):
         # in compiled graph model__0_forward_1" (AOTAutograd's graph name,
         # as TORCH_LOGS=output_code shows it).
         label = f"{kernel_name} in compiled graph {_graph_name()}"
-        body = f"kiln_cpp_kernel({label!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
+        body = f"kiln_cpp_kernel(async_compile, {label!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
         wrapper.define_kernel(kernel_name, body, gpu=False)
         return kernel_name
