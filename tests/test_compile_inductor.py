@@ -378,3 +378,35 @@ def test_kernels_take_their_thread_count_at_run_time():
     code = "\n".join(sources)
     assert ".launch(0, " in code and "#pragma omp parallel" in code
     assert "num_threads(" not in code
+
+
+def test_strided_offset_expanded_and_zero_size_inputs():
+    def fn(a, b, c):
+        return a * 2 + b, (c + 1).sum()
+
+    compiled = torch.compile(fn)
+    base = torch.randn(12, 10, device="kiln")
+    a = base.t()[2:7]  # non-contiguous, with a storage offset
+    b = torch.randn(1, 12, device="kiln").expand(5, 12)  # stride 0
+    c = base[3:9, 1:4]
+    out, total = compiled(a, b, c)
+    expected_out, expected_total = fn(a, b, c)
+    assert_close(out, expected_out)
+    assert_close(total, expected_total)
+    empty = torch.empty(0, 12, device="kiln")
+    out, total = compiled(empty, empty, torch.empty(0, 3, device="kiln"))
+    assert out.shape == (0, 12) and total.item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64])
+def test_other_dtypes(dtype):
+    def fn(a, b):
+        return (a * b + a).sum(0), a.max(1).values
+
+    a = torch.randint(-5, 5, (6, 7), device="kiln").to(dtype)
+    b = torch.randint(-5, 5, (6, 7), device="kiln").to(dtype)
+    out, maxes = torch.compile(fn)(a, b)
+    expected, expected_maxes = fn(a, b)
+    assert out.dtype == dtype and maxes.dtype == dtype
+    torch.testing.assert_close(out.cpu(), expected.cpu(), rtol=1e-2 if dtype == torch.bfloat16 else 0, atol=0)
+    torch.testing.assert_close(maxes.cpu(), expected_maxes.cpu(), rtol=0, atol=0)
