@@ -410,3 +410,19 @@ def test_other_dtypes(dtype):
     assert out.dtype == dtype and maxes.dtype == dtype
     torch.testing.assert_close(out.cpu(), expected.cpu(), rtol=1e-2 if dtype == torch.bfloat16 else 0, atol=0)
     torch.testing.assert_close(maxes.cpu(), expected_maxes.cpu(), rtol=0, atol=0)
+
+
+def test_random_ops_follow_the_seed():
+    fn = torch.compile(lambda t: F.dropout(t, 0.5, training=True) + torch.rand_like(t))
+    x = torch.ones(1000, device="kiln")
+    torch.manual_seed(3)
+    first = fn(x).cpu()
+    torch.manual_seed(3)
+    again = fn(x).cpu()
+    torch.manual_seed(4)
+    other = fn(x).cpu()
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    kept = first >= 1  # dropout keeps x * 2 = 2, plus a uniform [0, 1) sample
+    assert 0.4 < kept.float().mean().item() < 0.6
+    assert ((first - 2 * kept) >= 0).all() and ((first - 2 * kept) < 1).all()
