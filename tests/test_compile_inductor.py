@@ -426,3 +426,23 @@ def test_random_ops_follow_the_seed():
     kept = first >= 1  # dropout keeps x * 2 = 2, plus a uniform [0, 1) sample
     assert 0.4 < kept.float().mean().item() < 0.6
     assert ((first - 2 * kept) >= 0).all() and ((first - 2 * kept) < 1).all()
+
+
+def test_stream_context_inside_the_compiled_function():
+    # Inductor reads Dynamo's stream annotations and writes `with stream1:`
+    # blocks around the block's kernels (it needs the device op overrides'
+    # current_stream). Checked: it compiles with fullgraph=True and gives
+    # eager's result; which stream each kernel ran on is not observed here.
+    side = torch.kiln.Stream()
+
+    def fn(x):
+        y = x * 2
+        with torch.kiln.stream(side):
+            z = y.cos()
+        torch.kiln.current_stream().wait_stream(side)
+        return z + 1
+
+    x = torch.randn(64, device="kiln")
+    side.wait_stream(torch.kiln.current_stream())
+    out = torch.compile(fn, fullgraph=True)(x)
+    assert_close(out, (x * 2).cos() + 1)

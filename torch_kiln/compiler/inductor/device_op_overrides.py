@@ -23,6 +23,9 @@ class KilnDeviceOpOverrides(DeviceOpOverrides):
     def synchronize(self) -> str:
         return "torch.kiln.synchronize()"
 
+    def current_stream(self) -> str:
+        return "torch.kiln.current_stream()"
+
     def device_guard(self, device_idx: int) -> str:
         return f"torch.kiln.device({device_idx})"
 
