@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 _installed = False
 
 
