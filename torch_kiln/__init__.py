@@ -47,4 +47,13 @@ torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
 )
 
+# --- torch.compile: Dynamo's device interface for kiln -----------------------
+# Registered when torch._dynamo.device_interface is first imported, so that
+# `import torch` does not pay for importing Dynamo
+# (Note [Registering with Dynamo lazily] in torch_kiln/compiler/__init__.py).
+from torch_kiln.compiler import register_dynamo_hooks as _register_dynamo_hooks  # noqa: E402
+
+_register_dynamo_hooks()
+# -----------------------------------------------------------------------------
+
 __all__ = ["kiln"]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torch_kiln import _C
+from torch_kiln.kiln import _utils
 from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
@@ -140,11 +141,14 @@ def is_available() -> bool:
 def device_count() -> int:
     """Number of kiln devices (``KILN_DEVICE_COUNT``, default 2); 0 if the
     runtime cannot start (a warning says why)."""
-    return _C._get_device_count()
+    count = _utils._device_count()
+    return 0 if count is None else count
 
 
 def current_device() -> int:
     """Index of the calling thread's current kiln device."""
+    if torch.compiler.is_compiling():
+        return torch.accelerator.current_device_index()  # Note [torch.kiln under torch.compile]
     return _C._get_device()
 
 
@@ -184,8 +188,16 @@ class device_of(device):
 
 def synchronize(device: Any = None) -> None:
     """Wait for all work on every stream of ``device`` (default: current),
-    raising the error of a failed kernel if one is pending."""
-    _C._synchronize(_device_index(device, optional=True))
+    raising the error of a failed kernel if one is pending.
+
+    Inside a function compiled with ``torch.compile`` this traces into the
+    graph, as ``torch.cuda.synchronize()`` does (Note [torch.kiln under
+    torch.compile] in ``streams.py``)."""
+    index = _device_index(device, optional=True)
+    if torch.compiler.is_compiling():
+        torch.accelerator.synchronize(torch.device("kiln", index))
+        return
+    _C._synchronize(index)
 
 
 _CAPABILITY = (1, 0)  # see get_device_capability
@@ -301,3 +313,22 @@ __all__ = [
     "stream",
     "synchronize",
 ]
+
+# Inductor's lazy hook for a PrivateUse1 device (init_backend_registration in
+# torch/_inductor/codegen/common.py) looks these names up on torch.kiln the
+# first time Inductor compiles anything. Kiln uses the lookup as its trigger
+# and registers itself (torch_kiln.compiler.inductor.register), with the
+# custom backend pass that carries kiln's part of the cache key, which the
+# hook's own registration would drop; the names then stay undefined so the
+# hook keeps that registration instead of overwriting it.
+_INDUCTOR_HOOK_NAMES = frozenset(
+    ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INDUCTOR_HOOK_NAMES:
+        from torch_kiln.compiler.inductor import register
+
+        register()
+    raise AttributeError(f"module 'torch.kiln' has no attribute '{name}'")

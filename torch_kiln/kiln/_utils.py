@@ -8,6 +8,32 @@ import torch
 
 from torch_kiln import _C
 
+# The number of kiln devices, fixed for the life of the process (the runtime
+# reads KILN_DEVICE_COUNT once). Filled on first use outside torch.compile;
+# traced code reads it as a constant (Note [torch.kiln under torch.compile]).
+_device_count_cache: int | None = None
+
+
+def _device_count() -> int | None:
+    """``torch.kiln.device_count()``; ``None`` only while tracing if the count
+    was never read (it is, when kiln's DeviceInterface is registered, before
+    Dynamo traces anything)."""
+    global _device_count_cache
+    if torch.compiler.is_compiling():
+        # Dynamo cannot call into torch_kiln._C: read the recorded count.
+        return _device_count_cache
+    if _device_count_cache is None:
+        _device_count_cache = _C._get_device_count()
+    return _device_count_cache
+
+
+def _current_device() -> int:
+    """The calling thread's current kiln device index."""
+    if torch.compiler.is_compiling():
+        # Dynamo folds this to a constant, guarded on the current device.
+        return torch.accelerator.current_device_index()
+    return _C._get_device()
+
 
 def _device_index(device: Any, optional: bool = False) -> int:
     """The kiln device index that ``device`` names.
@@ -22,7 +48,7 @@ def _device_index(device: Any, optional: bool = False) -> int:
     if device is None:
         if not optional:
             raise ValueError("Expected a kiln device, got None.")
-        return _C._get_device()
+        return _current_device()
     if isinstance(device, bool):
         raise TypeError(f"Expected a kiln device (int, str or torch.device), got {device!r}.")
     if isinstance(device, int):
@@ -37,11 +63,11 @@ def _device_index(device: Any, optional: bool = False) -> int:
         if device.type != "kiln":
             raise ValueError(f"Expected a kiln device, got {device}.")
         if device.index is None:
-            return _C._get_device()
+            return _current_device()
         index = device.index
     if index >= 0:
-        count = _C._get_device_count()
-        if index >= count:
+        count = _device_count()
+        if count is not None and index >= count:
             # The same words as the C++ check (check_device_index in
             # KilnFunctions.cc), whichever API is given the bad index.
             devices = "device (kiln:0)" if count == 1 else f"devices (kiln:0 to kiln:{count - 1})"

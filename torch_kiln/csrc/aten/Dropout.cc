@@ -10,6 +10,11 @@
 // sequence (Note [Kiln random numbers]). aten::native_dropout, when called
 // directly, is likewise composed from kiln ops, drawing from the kiln
 // generator.
+//
+// Both kernels are compositions of kiln operators, so they also trace under
+// torch.compile (FakeTensorMode, symbolic shapes): they read only metadata,
+// and sizes through their SymInt accessors (See Note [Kiln kernels under
+// FakeTensorMode] in aten/FakeKernels.cc).
 #include <ATen/ops/bernoulli.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/ones_like.h>
@@ -22,7 +27,7 @@ namespace {
 
 at::Tensor dropout(const at::Tensor& input, double p, bool train) {
   TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
-  if (p == 0 || !train || input.numel() == 0) {
+  if (p == 0 || !train || input.sym_numel() == 0) {
     return input;
   }
   if (p == 1) {
@@ -36,7 +41,7 @@ at::Tensor dropout(const at::Tensor& input, double p, bool train) {
 
 std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p,
                                                   std::optional<bool> train) {
-  if (input.numel() == 0) {
+  if (input.sym_numel() == 0) {
     return {input, at::empty_like(input, input.options().dtype(c10::kBool))};
   }
   if (train.has_value() && !*train) {

@@ -10,6 +10,12 @@
 // so PyTorch's autograd formulas apply unchanged. Because the fused path adds
 // the biases after the matrix products where CPU's unfused path adds them
 // inside, results agree with CPU to rounding, not bit for bit.
+//
+// PyTorch has Meta kernels for the LSTM cell's two operators but none for
+// the GRU cell's; kiln registers them (fusedGruCellMeta, ...), so
+// torch.compile traces GRUs, with symbolic sizes too (Note [Kiln kernels
+// under FakeTensorMode], FakeKernels.cc). They allocate what the
+// compositions return: contiguous tensors of the gates' dtype.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -85,6 +91,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fusedGruC
           has_bias ? grad_hidden_gates.sum(0) : at::Tensor()};
 }
 
+// Meta kernels (allocation only, SymInt sizes: the compositions above call
+// chunk, whose C++ kernel needs concrete sizes). N = batch, H = hidden size.
+std::tuple<at::Tensor, at::Tensor> fusedGruCellMeta(
+    const at::Tensor& input_gates, const at::Tensor&, const at::Tensor& hx,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
+  const c10::SymInt n = hx.sym_size(0), h = hx.sym_size(1);
+  const auto options = input_gates.options();
+  return {at::empty_symint({n, h}, options), at::empty_symint({n, h * 5}, options)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fusedGruCellBackwardMeta(
+    const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias) {
+  const c10::SymInt n = workspace.sym_size(0), h = grad_hy.sym_size(1);
+  const auto options = grad_hy.options();
+  return {at::empty_symint({n, h * 3}, options), at::empty_symint({n, h * 3}, options),
+          at::empty_symint({n, h}, options),
+          has_bias ? at::empty_symint({h * 3}, options) : at::Tensor(),
+          has_bias ? at::empty_symint({h * 3}, options) : at::Tensor()};
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -92,6 +118,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(fusedLstmCellBackward));
   m.impl("_thnn_fused_gru_cell", TORCH_FN(fusedGruCell));
   m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(fusedGruCellBackward));
+}
+
+TORCH_LIBRARY_IMPL(aten, Meta, m) {
+  m.impl("_thnn_fused_gru_cell", TORCH_FN(fusedGruCellMeta));
+  m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(fusedGruCellBackwardMeta));
 }
 
 } // namespace at::kiln

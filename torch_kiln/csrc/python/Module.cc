@@ -17,6 +17,7 @@
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
+#include "python/GeneratedKernelBindings.h"
 #include "python/HostWaitInterrupts.h"
 #include "python/MemoryTools.h"
 #include "python/StorageSharing.h"
@@ -66,6 +67,7 @@ PYBIND11_MODULE(_C, m) {
   });
   torch_kiln::installHostWaitInterrupts();
   torch_kiln::bindStorageSharing(m);
+  torch_kiln::bindGeneratedKernels(m);
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);

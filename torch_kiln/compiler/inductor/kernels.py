@@ -1,0 +1,120 @@
+"""Generated C++ kernels for kiln: the entry trampoline and the loader.
+
+Inductor's C++ code generator writes each fused kernel as
+``extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)``.
+For kiln, :func:`entry_trampoline` appends one more function with a single
+signature for every kernel::
+
+    extern "C" void kernel_kiln_entry(const int64_t* packed);
+
+which unpacks one 64-bit slot per argument (a pointer, an integer, or the
+bits of a double) and calls the kernel. :func:`load_kernel` compiles the
+source through Inductor's own C++ code cache (as CPU kernels are compiled:
+same compiler, flags and on-disk cache) and returns a
+``torch_kiln._C._GeneratedKernel``, whose ``launch(device, *args)`` packs the
+arguments and enqueues one call on the current stream of ``kiln:device``
+(See Note [Compiled code runs in stream order] in ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from torch_kiln import _C
+
+ENTRY_SUFFIX = "_kiln_entry"
+
+_FLOAT_TYPES = ("float", "double", "half", "bfloat16", "Half", "BFloat16")
+
+
+def _argument_kind(cpp_type: str) -> str:
+    """The signature letter of a kernel argument of C++ type ``cpp_type``
+    (see torch_kiln/csrc/python/GeneratedKernelBindings.cc)."""
+    t = cpp_type.strip()
+    if t.endswith("*"):
+        return "r" if t.startswith("const ") else "w"
+    base = t.removeprefix("const ").strip()
+    if base in ("int64_t", "int32_t", "int", "long", "bool", "uint64_t", "int16_t", "int8_t", "uint8_t"):
+        return "i"
+    if any(base.endswith(f) for f in _FLOAT_TYPES):
+        return "f"
+    raise NotImplementedError(
+        f"kiln: a generated kernel takes an argument of C++ type '{cpp_type}', which the kiln "
+        "kernel launcher does not pass (it passes pointers, integers and floating-point scalars). "
+        "Compile this graph with backend='aot_eager' instead, and please report it."
+    )
+
+
+def entry_trampoline(kernel_name: str, arg_types: list[str]) -> tuple[str, str]:
+    """``(signature, C++ source)`` of ``<kernel_name>_kiln_entry`` for a kernel
+    whose arguments have the C++ types ``arg_types`` (as Inductor's
+    ``KernelArgs.cpp_argdefs()`` lists them)."""
+    kinds = [_argument_kind(t) for t in arg_types]
+    unpacked = []
+    for i, (kind, cpp_type) in enumerate(zip(kinds, arg_types)):
+        if kind in "rw":
+            unpacked.append(f"reinterpret_cast<{cpp_type}>(packed[{i}])")
+        elif kind == "i":
+            unpacked.append(f"static_cast<{cpp_type.removeprefix('const ')}>(packed[{i}])")
+        else:
+            base = cpp_type.removeprefix("const ")
+            unpacked.append(f"static_cast<{base}>(kiln_unpack_double(packed[{i}]))")
+    arguments = ",\n        ".join(unpacked)
+    source = f"""
+// kiln: one signature for every generated kernel (torch_kiln/compiler/inductor/kernels.py).
+#include <cstring>
+static inline double kiln_unpack_double(int64_t bits) {{
+    double value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}}
+extern "C" void {kernel_name}{ENTRY_SUFFIX}(const int64_t* packed) {{
+    {kernel_name}(
+        {arguments});
+}}
+"""
+    return "".join(kinds), source
+
+
+# What Inductor's C++ kernels write for an indirect index out of range
+# (CppKernel.indirect_assert): a TORCH_CHECK that throws.
+INDEX_CHECK_MARKER = "index out of bounds:"
+
+
+def needs_serial_build(source: str) -> bool:
+    """Whether ``source`` must be built without OpenMP.
+
+    A C++ exception that leaves an OpenMP parallel region calls
+    ``std::terminate``: a kernel whose indirect-index check throws inside
+    ``#pragma omp parallel`` would kill the process instead of raising
+    IndexError at the next synchronization. Kiln builds such kernels
+    without OpenMP (their pragmas are ignored and the loops run on the stream
+    worker alone), so the check's exception reaches the task and becomes the
+    stream's sticky error like an eager kernel's."""
+    return INDEX_CHECK_MARKER in source
+
+
+def load_kernel(async_compile, name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
+    """Compiles ``source`` (a generated kernel plus its trampoline) with
+    Inductor's C++ code cache and returns a ``_GeneratedKernel`` named
+    ``name`` launching its function ``entry``.
+
+    ``async_compile`` is the wrapper module's ``AsyncCompile``: with more
+    than one compile thread (``torch._inductor.config.compile_threads``) the
+    compilation runs in Inductor's compile workers, as CPU kernels' do, and
+    this returns a future that the module's ``async_compile.wait(globals())``
+    resolves. Raises what Inductor's C++ compilation raises
+    (``CppCompileError``) if the source does not compile."""
+    from torch._inductor.async_compile import get_compile_threads
+    from torch._inductor.codecache import CppCodeCache, LambdaFuture
+
+    extra_flags = ("-fno-openmp",) if needs_serial_build(source) else ()
+
+    def make(library):
+        address = ctypes.cast(getattr(library, entry), ctypes.c_void_p).value
+        return _C._GeneratedKernel(name, address, signature)
+
+    if get_compile_threads() <= 1:
+        return make(CppCodeCache.load(source, extra_flags=extra_flags))
+    get_result = CppCodeCache.load_async(source, submit_fn=async_compile.submit, extra_flags=extra_flags)
+    return LambdaFuture(lambda: make(get_result()))

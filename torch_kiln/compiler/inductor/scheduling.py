@@ -1,0 +1,75 @@
+"""``KilnScheduling``: Inductor's C++ (CPU) code generator for the kiln device.
+
+Kiln device memory is host-addressable on the reference device, so the
+kernels Inductor writes for CPU are correct kiln kernels as they are; what
+differs is how they are *called*. ``define_kernel`` emits each kernel with a
+kiln entry trampoline (``kernels.entry_trampoline``) and defines it in the
+wrapper as ``kiln_cpp_kernel(async_compile, name, signature, source)``, a
+``torch_kiln._C._GeneratedKernel`` that the wrapper launches on the current
+kiln stream (See Note [Compiled code runs in stream order] in ``__init__.py``).
+Everything else — loop generation, vectorization, fusion decisions — is
+``CppScheduling``'s.
+"""
+
+from __future__ import annotations
+
+from torch._inductor import config
+from torch._inductor.codegen.cpp import CppScheduling
+from torch._inductor.utils import Placeholder, get_fused_kernel_name
+from torch._inductor.virtualized import V
+
+from torch_kiln.compiler.inductor import kernels
+
+# The name of the C function every kernel is compiled under (one kernel per
+# shared library, as Inductor's Python wrapper does for CPU).
+KERNEL_SYMBOL = "kernel"
+
+
+def _graph_name() -> str:
+    from torch._functorch._aot_autograd.logging_utils import get_aot_graph_name
+
+    return get_aot_graph_name()
+
+
+class KilnScheduling(CppScheduling):
+    # Note [Intra-op threads of kiln kernels]: a kiln kernel runs on a stream
+    # worker with the launching thread's torch.get_num_threads(), set by the
+    # task before it runs. Inductor's C++ code fixes the count at compile time
+    # (`#pragma omp parallel num_threads(N)`) unless N is the machine's core
+    # count or cpp.dynamic_threads is on; kiln's kernels always take the
+    # count at run time (`#pragma omp parallel`), so torch.set_num_threads
+    # reaches compiled kernels as it reaches eager ones. Scoped to kiln's code
+    # generation, and part of the cache key through this file's hash
+    # (cache_key.py).
+    _kiln_config = {"cpp.dynamic_threads": True}
+
+    def codegen_node(self, node):
+        with config.patch(self._kiln_config):
+            return super().codegen_node(node)
+
+    def codegen_template(self, *args, **kwargs):
+        with config.patch(self._kiln_config):
+            return super().codegen_template(*args, **kwargs)
+
+    def define_kernel(self, src_code, nodes, kernel_args=None):
+        wrapper = V.graph.wrapper_code
+        if src_code in wrapper.src_to_kernel:
+            return wrapper.src_to_kernel[src_code]
+        descriptive = get_fused_kernel_name(nodes, config.cpp.descriptive_names) if config.cpp.descriptive_names else ""
+        kernel_name = "_".join(["kiln_cpp", descriptive, wrapper.next_kernel_suffix()])
+        wrapper.src_to_kernel[src_code] = kernel_name
+        source = (
+            src_code.replace(str(Placeholder.KERNEL_NAME), KERNEL_SYMBOL)
+            .replace(str(Placeholder.DESCRIPTIVE_NAME), kernel_name)
+            .replace("#pragma CMT", "//")
+        )
+        args = self.kernel_group.args if kernel_args is None else kernel_args
+        _, _, arg_types = args.cpp_argdefs()
+        signature, trampoline = kernels.entry_trampoline(KERNEL_SYMBOL, arg_types)
+        # Errors name the kernel and its graph, e.g. "kiln_cpp_fused_index_0
+        # in compiled graph model__0_forward_1" (AOTAutograd's graph name,
+        # as TORCH_LOGS=output_code shows it).
+        label = f"{kernel_name} in compiled graph {_graph_name()}"
+        body = f"kiln_cpp_kernel(async_compile, {label!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
+        wrapper.define_kernel(kernel_name, body, gpu=False)
+        return kernel_name
