@@ -195,6 +195,23 @@ def test_recompiles_on_new_static_shape_and_not_when_dynamic(backend):
     assert dynamic.frame_count == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_automatic_dynamic_shapes(backend):
+    """dynamic=None (the default): the second shape recompiles once with
+    symbolic sizes, later shapes reuse that graph."""
+    torch.manual_seed(0)
+    model = Zoo().to("kiln")
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    for n in (2, 3, 5, 7):
+        img = torch.randn(n, 3, 8, 8, device="kiln")
+        torch.manual_seed(n)
+        ref = model(img)
+        torch.manual_seed(n)
+        assert_same(compiled(img), ref.detach().cpu())
+    assert counter.frame_count == 2
+
+
 def copies(x, host):
     """Host<->device and device<->device copies, in both directions."""
     a = (x * 2).cpu() + host               # kiln -> host
