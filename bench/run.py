@@ -44,6 +44,7 @@ import torch
 import harness  # noqa: E402  (bench/ is on sys.path as the script's directory)
 import micro  # noqa: E402
 import training  # noqa: E402
+import compilation  # noqa: E402
 
 GROUPS = {
     "add": micro.add_overhead,
@@ -54,6 +55,8 @@ GROUPS = {
     "queue": micro.pending_op_memory,
     "training": training.throughput,
     "memory": training.peak_memory,
+    "compile": compilation.throughput,
+    "compile-time": compilation.compile_time,
 }
 
 

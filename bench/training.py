@@ -38,6 +38,12 @@ def _example(name: str):
     return module
 
 
+def compiled(model: torch.nn.Module, backend: str | None):
+    """The model's forward as a trainer calls it: the module itself, or
+    torch.compile(model, backend=backend) (compiled on its first step)."""
+    return model if backend is None else torch.compile(model, backend=backend)
+
+
 # ---------------------------------------------------------------- CNN
 
 class CnnTrainer:
@@ -67,26 +73,27 @@ class CnnTrainer:
             cls._data = (train_x, train_y, source)
         return cls._data
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, compile_backend: str | None = None):
         ex = _example("train_fashion_mnist")
         self.device = torch.device(device)
         self.train_x, self.train_y, _ = self.data()
         torch.manual_seed(0)
         self.model = ex.SmallCNN().to(self.device)
+        self.forward = compiled(self.model, compile_backend)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         torch.manual_seed(0)
         self.permutation = torch.randperm(len(self.train_x), generator=torch.Generator().manual_seed(0))
         self.position = 0
 
     def step(self, k: int) -> None:
-        model, optimizer, device = self.model, self.optimizer, self.device
+        optimizer, device = self.optimizer, self.device
         for _ in range(k):
             if self.position + self.batch_size > len(self.permutation):
                 self.position = 0
             batch = self.permutation[self.position:self.position + self.batch_size]
             self.position += self.batch_size
             x, y = self.train_x[batch].to(device), self.train_y[batch].to(device)
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(self.forward(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -117,7 +124,7 @@ class GptTrainer:
             cls._data = (data[:int(0.9 * len(data))], len(chars))
         return cls._data
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, compile_backend: str | None = None):
         ex = _example("train_char_gpt")
         self.batch_of = ex.batch_of
         self.device = torch.device(device)
@@ -125,6 +132,7 @@ class GptTrainer:
         torch.manual_seed(0)
         self.model = ex.CharGPT(vocab, self.block_size, self.width, self.layers,
                                 self.heads).to(self.device)
+        self.forward = compiled(self.model, compile_backend)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-3, weight_decay=0.1)
         torch.manual_seed(0)
         self.order = torch.Generator().manual_seed(0)
@@ -133,7 +141,8 @@ class GptTrainer:
         model, optimizer, device = self.model, self.optimizer, self.device
         for _ in range(k):
             x, y = self.batch_of(self.train_data, self.batch_size, self.block_size, self.order)
-            loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+            loss = F.cross_entropy(self.forward(x.to(device)).flatten(0, 1),
+                                   y.to(device).flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

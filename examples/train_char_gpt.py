@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--sample-length", type=int, default=200)
     parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
                         help="mixed precision: torch.autocast in this dtype (fp16 adds a GradScaler)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="train with torch.compile(model, backend=BACKEND) (default backend: "
+                             "inductor); evaluation stays eager")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     if args.width % args.heads:
@@ -153,11 +156,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    step_model = torch.compile(model, backend=args.compile) if args.compile else model
     torch.manual_seed(args.seed)  # sampling randomness restarts from the seed on every device
     order = torch.Generator().manual_seed(args.seed)
     print(f"device {device}, {sum(p.numel() for p in model.parameters())} parameters, "
           f"{len(chars)} characters, {len(train_data)} training tokens"
-          + (f", autocast {args.amp}" if args.amp else ""))
+          + (f", autocast {args.amp}" if args.amp else "")
+          + (f", compiled ({args.compile})" if args.compile else ""))
 
     losses: list[float] = []
     seconds = 0.0
@@ -167,7 +172,7 @@ def main() -> None:
         for step in range(args.max_steps):
             x, y = batch_of(train_data, args.batch_size, args.block_size, order)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+                loss = F.cross_entropy(step_model(x.to(device)).flatten(0, 1), y.to(device).flatten())
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -185,7 +190,8 @@ def main() -> None:
 
     text_ids = sample(model, data[:1], args.sample_length, device)
     print("sample:\n" + "".join(chars[i] for i in text_ids))
-    result = {"device": str(device), "seed": args.seed, "steps": losses, "val_loss": val,
+    result = {"device": str(device), "seed": args.seed, "compile": args.compile, "steps": losses,
+              "val_loss": val,
               "tokens_per_s": len(losses) * args.batch_size * args.block_size / seconds if seconds else 0.0,
               "seconds": seconds}
     if args.json:

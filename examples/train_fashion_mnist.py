@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
                         help="mixed precision: torch.autocast in this dtype (fp16 adds a GradScaler)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="train with torch.compile(model, backend=BACKEND) (default backend: "
+                             "inductor); evaluation stays eager")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -146,13 +149,15 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = SmallCNN().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    step_model = torch.compile(model, backend=args.compile) if args.compile else model
     # Training-time randomness (dropout) restarts from the seed on every
     # device's generator; data order comes from its own host generator.
     torch.manual_seed(args.seed)
     order = torch.Generator().manual_seed(args.seed)
 
     print(f"device {device}, {len(train_x)} training images, batch {args.batch_size}"
-          + (f", autocast {args.amp}" if args.amp else ""))
+          + (f", autocast {args.amp}" if args.amp else "")
+          + (f", compiled ({args.compile})" if args.compile else ""))
     losses: list[float] = []
     trained = 0
     seconds = 0.0
@@ -168,7 +173,7 @@ def main() -> None:
             batch = permutation[i:i + args.batch_size]
             x, y = train_x[batch].to(device), train_y[batch].to(device)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(step_model(x), y)
             optimizer.zero_grad()
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -186,7 +191,7 @@ def main() -> None:
         if args.max_steps is not None and len(losses) >= args.max_steps:
             break
 
-    result = {"device": str(device), "seed": args.seed, "steps": losses,
+    result = {"device": str(device), "seed": args.seed, "compile": args.compile, "steps": losses,
               "test_accuracy": accuracy, "images_per_s": trained / seconds if seconds else 0.0,
               "seconds": seconds}
     if args.json:

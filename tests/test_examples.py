@@ -94,3 +94,32 @@ def test_examples_train_under_autocast(tmp_path, amp):
                                "--width", "64")
     assert f"autocast {amp}" in gpt_out
     assert sum(gpt["steps"][-5:]) / 5 < gpt["steps"][0]
+
+
+def _relative_gap(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_char_gpt_compiled_matches_eager_and_compiled_cpu(tmp_path):
+    # Issue 11's acceptance on a small configuration (make test stays quick;
+    # the default size was measured by hand, see docs/compile.md).
+    small = ["--max-steps", "20", "--layers", "1", "--width", "64", "--block-size", "32",
+             "--sample-length", "0"]
+    runs = {}
+    for name, device, extra in (("eager", "kiln", []), ("compiled", "kiln", ["--compile"]),
+                                ("cpu-compiled", "cpu", ["--compile"])):
+        (tmp_path / name).mkdir()
+        runs[name], out = run_example("train_char_gpt.py", tmp_path / name, device, *small, *extra)
+        assert len(runs[name]["steps"]) == 20
+    assert "compiled (inductor)" in out and runs["compiled"]["compile"] == "inductor"
+    assert _relative_gap(runs["compiled"]["steps"], runs["eager"]["steps"]) <= 1e-4
+    assert _relative_gap(runs["compiled"]["steps"], runs["cpu-compiled"]["steps"]) <= 1e-4
+
+
+def test_fashion_mnist_compiled_with_aot_eager_is_bit_identical(tmp_path):
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "compiled").mkdir()
+    eager, _ = run_example("train_fashion_mnist.py", tmp_path / "eager", "kiln", "--max-steps", "20")
+    compiled, _ = run_example("train_fashion_mnist.py", tmp_path / "compiled", "kiln",
+                              "--max-steps", "20", "--compile", "aot_eager")
+    assert compiled["steps"] == eager["steps"]  # the same kernels, dropout from the same seed

@@ -6,6 +6,9 @@ What lives here:
   (current device, streams, events, synchronize, properties, the Worker API
   for Inductor's compile subprocesses), registered under ``"kiln"`` and
   ``"kiln:N"`` as ``torch._dynamo.device_interface`` does for ``"cuda"``.
+* ``metrics``: :func:`get_metrics` / :func:`reset_metrics`, what
+  ``torch.compile`` did in this process (graphs, graph breaks and their
+  reasons, recompilations, compile seconds), read from Dynamo's own counters.
 * ``inductor``: Inductor for kiln (not imported from here: it registers
   itself when Inductor first looks up the kiln backend, through Inductor's
   PrivateUse1 hook on ``torch.kiln``, or from ``backend="kiln"``).
@@ -31,6 +34,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+
+from torch_kiln.compiler.metrics import get_metrics, reset_metrics
 
 # Note [Registering with Dynamo lazily]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -135,4 +140,4 @@ def register_dynamo_hooks() -> None:
         sys.meta_path.insert(0, _hook)
 
 
-__all__ = ["register_dynamo_hooks"]
+__all__ = ["get_metrics", "register_dynamo_hooks", "reset_metrics"]

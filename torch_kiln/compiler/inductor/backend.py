@@ -5,22 +5,68 @@ group (pyproject.toml), so it appears in ``torch._dynamo.list_backends()``.
 It is Inductor (``torch._inductor.compile_fx.compile_fx``) with kiln's
 backend registered first; today kiln's defaults are Inductor's. The default
 backend (``torch.compile(model)``) gives the same code for kiln tensors.
+
+Failure policy (TorchNeuron's): a graph this backend cannot compile raises
+the compiler's error (Dynamo reports it as ``BackendCompilerFailed``; an
+Inductor lowering error names the FX node and its op), with a note naming
+the graph (Dynamo's compile id) and its size. With
+``KILN_COMPILE_FALLBACK=eager`` the graph runs eagerly instead, with one
+warning per graph that names the graph and the error. Other values raise
+``ValueError``. See docs/environment.md.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
+
+_POLICIES = ("error", "eager")
+
+
+def _fallback_policy() -> str:
+    policy = os.environ.get("KILN_COMPILE_FALLBACK", "error").strip().lower() or "error"
+    if policy not in _POLICIES:
+        raise ValueError(
+            f"KILN_COMPILE_FALLBACK={os.environ['KILN_COMPILE_FALLBACK']!r} is not a policy; "
+            f"use one of {', '.join(_POLICIES)} (unset means error)")
+    return policy
+
+
+def _graph_name() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"[{compile_id}]" if compile_id is not None else "(outside a Dynamo compile)"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
     """Dynamo backend: compiles ``gm`` with Inductor for kiln (and for any
     other device among its tensors, as Inductor does). ``kwargs`` are passed
-    to ``compile_fx`` (e.g. ``config_patches``)."""
-    from torch._inductor.compile_fx import compile_fx
+    to ``compile_fx`` (e.g. ``config_patches``). Failures follow the policy
+    above."""
+    from torch._inductor import compile_fx
 
     from torch_kiln.compiler.inductor import register
 
+    policy = _fallback_policy()  # a bad setting is reported before compiling
     register()
-    return compile_fx(gm, example_inputs, **kwargs)
+    try:
+        return compile_fx.compile_fx(gm, example_inputs, **kwargs)
+    except Exception as error:
+        graph = f"graph {_graph_name()} ({len(gm.graph.nodes)} FX nodes)"
+        if policy == "eager":
+            warnings.warn(
+                f"kiln: {graph} could not be compiled ({type(error).__name__}: "
+                f"{_first_line(error)}); running it eagerly because "
+                f"KILN_COMPILE_FALLBACK=eager", stacklevel=2)
+            return gm.forward
+        error.add_note(f"kiln: while compiling {graph} with backend='kiln'. Set "
+                       "KILN_COMPILE_FALLBACK=eager to run graphs that cannot be compiled "
+                       "eagerly instead.")
+        raise
