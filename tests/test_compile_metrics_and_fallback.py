@@ -96,3 +96,20 @@ def test_an_unknown_fallback_policy_is_rejected(monkeypatch):
     with pytest.raises(Exception, match="KILN_COMPILE_FALLBACK='sometimes' is not a policy; "
                                         "use one of error, eager"):
         f(torch.ones(2, device="kiln"))
+
+
+def test_kiln_backend_random_ops_give_eager_numbers():
+    # backend="kiln" keeps random ops on kiln's generator (fallback_random):
+    # the same seed gives eager kiln's numbers, dropout masks included.
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).to("kiln")
+    x = torch.randn(4, 8, device="kiln")
+    torch.manual_seed(3)
+    eager = model(x)
+    compiled = torch.compile(model, backend="kiln")
+    torch.manual_seed(3)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    torch.manual_seed(4)
+    again = compiled(x)
+    torch.manual_seed(4)
+    torch.testing.assert_close(again, model(x), rtol=0, atol=0)

@@ -3,8 +3,18 @@
 Registered as the ``kiln`` entry point of the ``torch_dynamo_backends``
 group (pyproject.toml), so it appears in ``torch._dynamo.list_backends()``.
 It is Inductor (``torch._inductor.compile_fx.compile_fx``) with kiln's
-backend registered first; today kiln's defaults are Inductor's. The default
-backend (``torch.compile(model)``) gives the same code for kiln tensors.
+backend registered first and kiln's defaults (``KILN_INDUCTOR_DEFAULTS``):
+
+* ``fallback_random=True``: random ops (dropout, rand, randn, ...) call kiln's
+  eager kernels, which draw from the kiln generator exactly as eager code
+  does, so a compiled model gives eager kiln's (and so CPU's) numbers for the
+  same seed. Inductor's own generated random numbers differ from eager
+  ones (as on CUDA); the cost is that random ops are not fused.
+
+Otherwise the default backend (``torch.compile(model)``) gives the same code
+for kiln tensors. ``torch.compile(model, backend="kiln",
+options={...})`` is not available for custom backends; pass Inductor
+settings with ``torch._inductor.config.patch(...)`` around the first call.
 
 Failure policy (TorchNeuron's): a graph this backend cannot compile raises
 the compiler's error (Dynamo reports it as ``BackendCompilerFailed``; an
@@ -24,6 +34,9 @@ from typing import Any
 import torch
 
 _POLICIES = ("error", "eager")
+
+# Inductor settings backend="kiln" applies (see the module docstring).
+KILN_INDUCTOR_DEFAULTS = {"fallback_random": True}
 
 
 def _fallback_policy() -> str:
@@ -56,6 +69,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: 
 
     policy = _fallback_policy()  # a bad setting is reported before compiling
     register()
+    kwargs["config_patches"] = {**KILN_INDUCTOR_DEFAULTS, **(kwargs.get("config_patches") or {})}
     try:
         return compile_fx.compile_fx(gm, example_inputs, **kwargs)
     except Exception as error:
