@@ -446,3 +446,24 @@ def test_stream_context_inside_the_compiled_function():
     side.wait_stream(torch.kiln.current_stream())
     out = torch.compile(fn, fullgraph=True)(x)
     assert_close(out, (x * 2).cos() + 1)
+
+
+def test_max_autotune_no_cudagraphs_mode():
+    fn = torch.compile(pointwise_and_reduction, mode="max-autotune-no-cudagraphs")
+    a = torch.randn(16, 8, device="kiln")
+    b = torch.randn(16, 8, device="kiln")
+    for actual, expected in zip(fn(a, b), pointwise_and_reduction(a, b)):
+        assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_under_autocast(dtype):
+    model = make_mlp().to("kiln")
+    x = torch.randn(8, 16, device="kiln")
+    with torch.autocast("kiln", dtype=dtype):
+        expected = model(x)
+        actual = torch.compile(model)(x)
+    assert actual.dtype == expected.dtype == dtype
+    # Fused code rounds to the low precision at other points than eager.
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=2e-2,
+                               atol=2e-2)
