@@ -313,7 +313,7 @@ def compiled_markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, com
     c = tally.by_pass.get(settings.COMPILED_PASS, collections.Counter())
     rebuilt = f" (rebuilt from its records by `{rebuilt_by}`)" if rebuilt_by else ""
     tolerances = ", ".join(f"{d} atol={t.atol:g} rtol={t.rtol:g}" for d, t in TOLERANCE.items()
-                           if d in ("float32",))
+                           if d in ("float32", "float64"))
     try:
         kf_name = known_failures_file.relative_to(settings.REPO)
     except ValueError:
@@ -327,9 +327,12 @@ def compiled_markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, com
         "dynamic=False)` (default backend: Inductor for kiln) on one kiln copy of the sample "
         "and eagerly on another, `torch._dynamo.reset()` before each case; outputs and every "
         "input storage compared (structure, dtypes, shapes, significant strides, values). "
-        f"Values: integers and bool exact; {tolerances} (torch.testing.assert_close's "
-        "float32 defaults, which PyTorch's own Inductor OpInfo test uses: Inductor fuses and "
-        "reorders float math), unless `declared.py` declares a tolerance for the op. A graph "
+        "Values: integer and bool results exact; float results within "
+        "torch.testing.assert_close's defaults for the result's dtype "
+        f"({tolerances}; an int64 op with a float32 result is compared as float32), the "
+        "defaults PyTorch's own Inductor OpInfo test uses: Inductor fuses and reorders float "
+        "math and has its own vectorized math functions; unless `declared.py` declares a "
+        "tolerance for the op. A graph "
         "break or a call Dynamo captured no graph for fails the case even when the values "
         "match. Harness: `tests/conformance/compiled_cases.py`; known failures with reasons: "
         f"`{kf_name}`.",
@@ -357,7 +360,10 @@ def compiled_markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, com
         lines += ["| kind | cases | ops |", "|---|---:|---|"]
         for kind in order:
             if by_kind.get(kind):
-                ops = ", ".join(f"`{f.op}`" for f in sorted(by_kind[kind], key=lambda f: f.op))
+                dtypes_of: dict[str, list[str]] = collections.defaultdict(list)
+                for f in sorted(by_kind[kind], key=lambda f: (f.op, f.dtype)):
+                    dtypes_of[f.op].append(f.dtype)
+                ops = ", ".join(f"`{op}` ({', '.join(d)})" for op, d in dtypes_of.items())
                 lines.append(f"| {kind} | {len(by_kind[kind])} | {ops} |")
         lines += ["", "### Failing cases (wrong values first)", "",
                   "| kind | op | dtype | status | message |", "|---|---|---|---|---|"]
