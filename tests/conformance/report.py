@@ -353,7 +353,13 @@ def compiled_markdown(tally: Tally, verdict: Verdict, summary_data: dict, *, com
     for f in failures:
         by_kind[compiled_kind(f.message)].append(f)
     order = [k for _, k in COMPILED_KINDS] + ["other (worker crash, hang, harness)"]
-    lines += ["", "### Failures by kind", ""]
+    wrong = len(by_kind.get("wrong value", []))
+    lines += [f"- wrong values (compiled result differs from eager kiln beyond the tolerance): "
+              f"**{wrong}**",
+              "", "### Failures by kind", "",
+              "Messages use compare.py's wording: \"kiln\" is the compiled result, \"CPU\" the "
+              "eager kiln reference (copied to the host). The reason for each failure is in "
+              "the known-failures file.", ""]
     if not failures:
         lines.append("None.")
     else:
