@@ -2,13 +2,14 @@
 #   make demo   the main job: train two models on the kiln device
 #   make test   every test: runtime conformance (C API) and PyTorch-level tests
 # Both first install what is missing (Debian and Python packages, the build).
-# Other targets: deps, build, test-runtime, test-python, conformance, bench, clean.
+# Other targets: deps, build, test-runtime, test-python, conformance,
+# conformance-compiled, bench, clean.
 
 PYTHON ?= python3
 export PYTHON
 RUNTIME_BUILD := build/runtime-tests
 
-.PHONY: all deps build test test-runtime test-python conformance demo bench clean
+.PHONY: all deps build test test-runtime test-python conformance conformance-compiled demo bench clean
 
 all: build
 
@@ -38,6 +39,17 @@ test: test-runtime test-python
 conformance: build
 	@mkdir -p runs
 	$(PYTHON) tests/conformance/run.py --jobs 2 --json runs/conformance.json --report docs/conformance.md
+
+# The compiled pass (not in `make test` or `make conformance`: every case
+# compiles C++): every op in float32 and int64, first sample, under
+# torch.compile on kiln against eager kiln. Writes the compiled section of
+# docs/conformance.md; judged by tests/conformance/known_failures_compiled.txt.
+# Inductor's cache lives in runs/conformance-compiled-logs/inductor-cache.
+conformance-compiled: build
+	@mkdir -p runs
+	$(PYTHON) tests/conformance/run.py --passes compiled --jobs 2 --log-dir runs/conformance-compiled-logs \
+		--json runs/conformance-compiled.json --records runs/conformance-compiled.jsonl \
+		--report docs/conformance.md
 
 # The main job: the two training examples on the kiln device.
 demo: build

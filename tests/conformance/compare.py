@@ -24,14 +24,25 @@ class Mismatch(AssertionError):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Allowed difference for values; atol=rtol=0 means bit-exact."""
+    """Allowed difference for values; atol=rtol=0 means bit-exact.
+
+    `per_dtype` ((dtype, Tolerance), ...) overrides atol/rtol for result
+    tensors of those dtypes (the compiled pass: an int64 op whose result is
+    float32 is compared as float32)."""
 
     atol: float = 0.0
     rtol: float = 0.0
+    per_dtype: tuple = ()
 
     @property
     def exact(self) -> bool:
         return self.atol == 0.0 and self.rtol == 0.0
+
+    def for_dtype(self, dtype: torch.dtype) -> "Tolerance":
+        for d, tolerance in self.per_dtype:
+            if d == dtype:
+                return tolerance
+        return self
 
 
 EXACT = Tolerance()
@@ -86,6 +97,7 @@ def _describe(value: Any) -> str:
 
 def _assert_same_tensor(actual: torch.Tensor, expected: torch.Tensor, device_type: str,
                         tolerance: Tolerance, check_strides: bool, path: str) -> None:
+    tolerance = tolerance.for_dtype(expected.dtype)
     want_device = expected_device_type(expected.device, device_type)
     if actual.device.type != want_device:
         raise Mismatch(f"{path}: on {actual.device}, expected a {want_device} tensor")

@@ -30,6 +30,7 @@ from torch.testing._internal.opinfo.core import OpInfo
 
 import settings
 from calls import KilnCall, call_op, run_both, seeded_call
+from compiled_cases import compiled_case, default_tolerance
 from compare import EXACT, Mismatch, Tolerance, assert_same
 from declared import declared_skip, declared_tolerance
 from outcomes import (FAILED, PASSED, SKIPPED, CaseFailed, CaseResult, CaseSkipped, Emit,
@@ -221,6 +222,7 @@ CASES: dict[str, Callable[[OpInfo, PlacedSample, Tolerance], Any]] = {
     "out": out_case,
     "inplace": inplace_case,
     "backward": backward_case,
+    settings.COMPILED_PASS: compiled_case,
 }
 
 
@@ -261,7 +263,8 @@ def run_op(op: OpInfo, dtype: torch.dtype, *, passes: Iterable[str], quick: bool
             emit(CaseResult(key, dname, pass_name, 0, SKIPPED, f"declared: {skip_reason}",
                             count=len(samples)))
             continue
-        tolerance = declared_tolerance(key, dname, pass_name) or EXACT
+        tolerance = declared_tolerance(key, dname, pass_name) or (
+            default_tolerance(dname) if pass_name == settings.COMPILED_PASS else EXACT)
         for index, sample in enumerate(samples):
             begin(key, dname, pass_name, index)
             result = CaseResult(key, dname, pass_name, index, FAILED)

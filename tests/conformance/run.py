@@ -15,12 +15,20 @@ backward (the shard `make test` runs). --ops/--modules select by key
 ("max.binary") or name ("max"); with --ops and no --modules no module runs.
 --update-known-failures rewrites known_failures.txt for this run (new
 failures get a "TODO classify" reason to edit).
+
+--passes compiled (never run otherwise; `make conformance-compiled`): every
+op in float32 and int64, the first sample, under torch.compile on kiln
+compared with eager kiln (compiled_cases.py). It runs alone, judged against
+known_failures_compiled.txt, with Inductor's cache in LOG_DIR/inductor-cache;
+--report replaces only the compiled section of the page (the eager report
+keeps that section when it rewrites the page).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import sys
@@ -30,7 +38,8 @@ import known_failures
 import settings
 from driver import Driver, RunSpec
 from outcomes import FAILED, CaseResult
-from report import Tally, markdown, summary
+from report import (Tally, compiled_markdown, compiled_section_of, markdown, summary,
+                    with_compiled_section)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,14 +54,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "or 'none'")
     parser.add_argument("--modules", help="comma-separated module names, 'all' or 'none' "
                         "(default: all, or none when --ops is given)")
-    parser.add_argument("--passes", help=f"comma-separated, among {','.join(settings.PASSES)}")
+    parser.add_argument("--passes", help="comma-separated, among "
+                        f"{','.join(settings.ALL_PASSES)} (default: all but compiled)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--case-timeout", type=float, default=settings.DEFAULT_CASE_TIMEOUT_S,
                         help="seconds without progress before a worker counts as hung")
     parser.add_argument("--log-dir", default="/tmp/kiln-conformance",
                         help="worker logs and specs (default /tmp/kiln-conformance)")
     parser.add_argument("--known-failures", type=pathlib.Path,
-                        default=settings.KNOWN_FAILURES_FILE)
+                        help="default known_failures.txt, or known_failures_compiled.txt "
+                        "for --passes compiled")
     parser.add_argument("--update-known-failures", action="store_true",
                         help="rewrite the known-failures file to match this run")
     parser.add_argument("--quiet", action="store_true", help="no per-test progress lines")
@@ -78,21 +89,42 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
         modules = []
     if args.passes:
         passes = args.passes.split(",")
-        unknown = set(passes) - set(settings.PASSES)
+        unknown = set(passes) - set(settings.ALL_PASSES)
         if unknown:
-            raise SystemExit(f"unknown passes {sorted(unknown)}; choose among {settings.PASSES}")
+            raise SystemExit(f"unknown passes {sorted(unknown)}; choose among "
+                             f"{settings.ALL_PASSES}")
+        if settings.COMPILED_PASS in passes and len(passes) > 1:
+            raise SystemExit("--passes compiled runs alone (its own known-failures file "
+                             "and report section)")
     elif args.quick:
         passes = list(settings.QUICK_OP_PASSES)
     else:
         passes = list(settings.PASSES)
     if "modules" not in passes:
         modules = []
-    return RunSpec(ops=ops, modules=modules, passes=passes, quick=args.quick)
+    quick = args.quick
+    if passes == [settings.COMPILED_PASS]:
+        quick = True  # float32 and int64 (or an op's first dtype), first samples
+    return RunSpec(ops=ops, modules=modules, passes=passes, quick=quick)
+
+
+def is_compiled_run(spec: RunSpec) -> bool:
+    return spec.passes == [settings.COMPILED_PASS]
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     spec = run_spec(args)
+    compiled = is_compiled_run(spec)
+    if args.known_failures is None:
+        args.known_failures = (settings.KNOWN_FAILURES_COMPILED_FILE if compiled
+                               else settings.KNOWN_FAILURES_FILE)
+    if compiled:
+        args.quick = True
+        # Inductor's on-disk caches stay on, under the run's log dir, so a
+        # re-run compiles nothing it compiled before (workers inherit it).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(os.path.abspath(args.log_dir), "inductor-cache"))
     entries = known_failures.load(args.known_failures)
     tally = Tally()
     records = open(args.records, "w") if args.records else None
@@ -122,6 +154,7 @@ def main(argv: list[str]) -> int:
                     recorded_runtime = data["runtime_s"]
                     args.quick = data.get("quick", False)
                     recorded_command = data.get("command")
+                    compiled = compiled or data.get("compiled", False)
                 else:
                     on_result(CaseResult.from_json(data))
     else:
@@ -133,7 +166,7 @@ def main(argv: list[str]) -> int:
     runtime = recorded_runtime or time.monotonic() - start
     if records:
         records.write(json.dumps({"runtime_s": runtime, "quick": args.quick,
-                                  "command": command}) + "\n")
+                                  "compiled": compiled, "command": command}) + "\n")
         records.close()
 
     verdict = known_failures.judge(entries, tally.ledger)
@@ -143,18 +176,28 @@ def main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(markdown(
-            tally, verdict, data, command=(recorded_command or command).strip(),
-            rebuilt_by=command.strip() if args.from_records else None))
+        existing = args.report.read_text() if args.report.exists() else ""
+        report_command = (recorded_command or command).strip()
+        rebuilt_by = command.strip() if args.from_records else None
+        if compiled:
+            page = with_compiled_section(existing, compiled_markdown(
+                tally, verdict, data, command=report_command, rebuilt_by=rebuilt_by,
+                known_failures_file=args.known_failures))
+        else:
+            page = with_compiled_section(
+                markdown(tally, verdict, data, command=report_command, rebuilt_by=rebuilt_by),
+                compiled_section_of(existing))
+        args.report.write_text(page)
     if args.update_known_failures:
         known_failures.write(args.known_failures, known_failures.updated(entries, tally.ledger))
-    return print_verdict(data, verdict, harness_errors)
+    return print_verdict(data, verdict, harness_errors, args.known_failures.name)
 
 
-def print_verdict(data: dict, verdict: known_failures.Verdict, harness_errors: list[str]) -> int:
+def print_verdict(data: dict, verdict: known_failures.Verdict, harness_errors: list[str],
+                  known_failures_name: str = "known_failures.txt") -> int:
     """Prints the totals and what makes the run fail; returns the exit code."""
     print()
-    for name in settings.PASSES:
+    for name in settings.ALL_PASSES:
         c = data[name]
         if any(c[s] for s in ("passed", "failed", "xfailed", "skipped")):
             rate = "—" if c["pass_rate"] is None else f"{100 * c['pass_rate']:.2f}%"
@@ -169,7 +212,7 @@ def print_verdict(data: dict, verdict: known_failures.Verdict, harness_errors: l
         samples = known_failures.format_indices({r.index for r in results})
         print(f"NEW FAILURE {op} {dtype} {pass_name} samples {samples}: {results[0].message}")
     for entry, why in verdict.stale:
-        print(f"FIXED (remove from known_failures.txt line {entry.line}): "
+        print(f"FIXED (remove from {known_failures_name} line {entry.line}): "
               f"{entry.op} {entry.dtype} {entry.pass_name}: {why}")
     for error in harness_errors:
         print(f"HARNESS ERROR {error}")

@@ -85,6 +85,8 @@ class SampleSource:
         if pass_name == "backward":
             return self._kind(reference=False, requires_grad=True)
         samples = self._kind(reference=False, requires_grad=False)
+        if pass_name == settings.COMPILED_PASS:
+            return samples[:settings.COMPILED_SAMPLES]
         if pass_name == "noncontiguous":
             return [PlacedSample(p.sample.noncontiguous(), p.decisions) for p in samples]
         return samples

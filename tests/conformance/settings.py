@@ -13,6 +13,8 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 KNOWN_FAILURES_FILE = HERE / "known_failures.txt"
+# The compiled pass (compiled_cases.py) keeps its own list.
+KNOWN_FAILURES_COMPILED_FILE = HERE / "known_failures_compiled.txt"
 
 DEVICE = "kiln"
 
@@ -36,6 +38,16 @@ MODULE_DTYPES = (torch.float32, torch.float64)
 OP_PASSES = ("forward", "noncontiguous", "out", "inplace", "backward")
 QUICK_OP_PASSES = ("forward", "backward")
 PASSES = OP_PASSES + ("modules",)
+# Opt-in passes: never run unless named with --passes (not in a default or
+# --quick run). "compiled": torch.compile on kiln against eager kiln; slow
+# (every case compiles C++ with g++), so it runs alone, with its own
+# known-failures file and its own section of docs/conformance.md.
+COMPILED_PASS = "compiled"
+EXTRA_OP_PASSES = (COMPILED_PASS,)
+ALL_PASSES = PASSES + EXTRA_OP_PASSES
+# The compiled pass runs this many samples per op and dtype (sample_inputs,
+# the first ones, as quick mode's shard).
+COMPILED_SAMPLES = 1
 
 # Seed for sample generation and before every random op call (CPU and kiln
 # use the same Mersenne Twister, so seeded random ops compare exactly).

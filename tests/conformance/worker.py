@@ -59,7 +59,8 @@ def main() -> None:
     op_list = select(op_db, spec["ops"], op_key)[shard::shards]
     module_list = select(module_db, spec["modules"], lambda m: m.name)[shard::shards]
     run = TestRun(
-        op_passes=tuple(p for p in spec["passes"] if p in settings.OP_PASSES),
+        op_passes=tuple(p for p in spec["passes"]
+                        if p in settings.OP_PASSES + settings.EXTRA_OP_PASSES),
         run_modules="modules" in spec["passes"],
         quick=spec["quick"],
         emit=lambda result: send({"e": "case", **result.to_json()}),
