@@ -710,6 +710,25 @@ def test_random_ops_same_seed_same_results(backend):
     assert_same(runs[0], runs[2].cpu())  # and the same numbers as eager kiln
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "kiln"])
+def test_rng_state_functions_run_outside_the_graph(backend):
+    # As torch.cuda's: Dynamo graph-breaks at them and runs them eagerly
+    # (OpInfo's seeded wrappers call them under no_dispatch()).
+    from torch.testing._internal.common_utils import freeze_rng_state
+
+    def f(x):
+        with freeze_rng_state():
+            torch.manual_seed(42)
+            state = torch.kiln.get_rng_state()
+            y = F.dropout(x, 0.5)
+            torch.kiln.set_rng_state(state)
+            return y + F.dropout(x, 0.5)  # the same mask again
+
+    x = torch.ones(64, device="kiln")
+    torch._dynamo.reset()
+    assert_same(torch.compile(f, backend=backend)(x), f(x).cpu())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_failure_in_compiled_code_surfaces_like_eager(backend):
     def f(x, i):

@@ -68,8 +68,23 @@ def _register_device_interface() -> None:
     register()
 
 
+def _register_trace_rules() -> None:
+    """Dynamo skips torch.cuda's RNG state getters and setters (files under
+    torch/ are skipped unless allow-listed, and trace_rules marks them
+    SkipFunctionVariable): a call graph-breaks and runs eagerly, because
+    AOTAutograd would drop them from the graph. Kiln's live outside torch/,
+    so Dynamo traced into them, and even compiled their frames when they ran
+    eagerly (OpInfo's seeded wrappers call them under no_dispatch(), where
+    that fails). Adding their file to Dynamo's skip list gives them CUDA's
+    treatment: never traced, never compiled."""
+    import torch._dynamo.trace_rules as trace_rules
+
+    trace_rules.add("torch_kiln.kiln.random")
+
+
 _AFTER_IMPORT = {
     "torch._dynamo.device_interface": _register_device_interface,
+    "torch._dynamo.trace_rules": _register_trace_rules,
 }
 _lock = threading.Lock()
 _done: set[str] = set()
