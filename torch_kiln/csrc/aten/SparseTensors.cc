@@ -97,10 +97,6 @@ bool isSparseLayout(c10::Layout layout) {
   return layout == c10::kSparse || at::sparse_csr::is_sparse_compressed(layout);
 }
 
-std::string deviceText(c10::Device device) {
-  return device.str();
-}
-
 // A sparse compressed tensor over the given members, built without reading
 // them: _sparse_compressed_tensor_unsafe validates the members' values when
 // torch.sparse.check_sparse_tensor_invariants is on, which would read kiln
@@ -394,7 +390,7 @@ c10::Device deviceOfCall(const c10::FunctionSchema& schema, const Stack& stack, 
         } else {
           TORCH_CHECK(*device == t.device(),
                       "Expected all tensors to be on the same device, but found at least two "
-                      "devices, ", deviceText(*device), " and ", deviceText(t.device()),
+                      "devices, ", *device, " and ", t.device(),
                       "! (in ", opName(schema), ")");
         }
       } else if (t.dim() > 0 || t.layout() != c10::kStrided) {
@@ -404,7 +400,7 @@ c10::Device deviceOfCall(const c10::FunctionSchema& schema, const Stack& stack, 
   }
   TORCH_INTERNAL_ASSERT(device.has_value(), "sparse kiln fallback reached without a kiln tensor");
   TORCH_CHECK(!host, "Expected all tensors to be on the same device, but found at least two "
-              "devices, ", deviceText(*device), " and ", deviceText(*host), "! (in ",
+              "devices, ", *device, " and ", *host, "! (in ",
               opName(schema), ")");
   return *device;
 }
