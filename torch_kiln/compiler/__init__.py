@@ -9,6 +9,8 @@ What lives here:
 * ``metrics``: :func:`get_metrics` / :func:`reset_metrics`, what
   ``torch.compile`` did in this process (graphs, graph breaks and their
   reasons, recompilations, compile seconds), read from Dynamo's own counters.
+* ``fake_convolution``: FakeTensorMode gives kiln convolutions the output
+  strides of CPU's kernel, which kiln runs.
 * ``inductor``: Inductor for kiln (not imported from here: it registers
   itself when Inductor first looks up the kiln backend, through Inductor's
   PrivateUse1 hook on ``torch.kiln``, or from ``backend="kiln"``).
@@ -82,9 +84,17 @@ def _register_trace_rules() -> None:
     trace_rules.add("torch_kiln.kiln.random")
 
 
+def _register_fake_convolution() -> None:
+    from torch_kiln.compiler.fake_convolution import register
+
+    register()
+
+
 _AFTER_IMPORT = {
     "torch._dynamo.device_interface": _register_device_interface,
     "torch._dynamo.trace_rules": _register_trace_rules,
+    # Loaded by `import torch` today, so this runs when torch_kiln loads.
+    "torch._subclasses.fake_impls": _register_fake_convolution,
 }
 _lock = threading.Lock()
 _done: set[str] = set()
