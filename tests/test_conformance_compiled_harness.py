@@ -60,3 +60,24 @@ def test_failure_kinds_put_wrong_values_first():
         "Inductor lowering error")
     assert report.compiled_kind("worker killed by signal 11 (SIGSEGV)").startswith("other")
     assert report.COMPILED_KINDS[0][1] == "wrong value"
+
+
+@pytest.mark.parametrize("op_name", ["bernoulli", "nn.functional.dropout", "nonzero"])
+def test_compiled_case_settings(op_name, tmp_path, monkeypatch):
+    """A random op (OpInfo seeds it inside a wrapper Dynamo never traces)
+    and a data-dependent one compile as one graph with the pass's settings
+    (compiled_cases.COMPILE_CONFIG, seeding outside the compiled function)
+    and match eager kiln; the database's wrapper is restored afterwards."""
+    import compiled_cases
+    import samples
+    from torch.testing._internal import common_methods_invocations
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    import torch
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    wrapper = common_methods_invocations.wrapper_set_seed
+    op = next(o for o in op_db if o.name == op_name and not o.variant_test_name)
+    placed = samples.SampleSource(op, torch.float32, quick=True).for_pass(settings.COMPILED_PASS)[0]
+    compiled_cases.compiled_case(op, placed, compiled_cases.default_tolerance("float32"))
+    assert common_methods_invocations.wrapper_set_seed is wrapper

@@ -22,10 +22,26 @@ message (report.py groups by them):
 - "compiled run error: ..."    the compiled code raised where eager did not
 - "compiled accepted a sample eager kiln rejects: ..."
 A sample eager kiln rejects and compiled code rejects too is skipped.
+
+Settings that differ from a bare `torch.compile` call, each the one a user
+sets for what the case asks (see COMPILE_CONFIG and _unseeded):
+- Random ops are seeded *outside* the compiled function and Inductor runs
+  with `fallback_random=True` (the default of backend="kiln"), so compiled
+  random ops draw eager's numbers from kiln's generator. OpInfo's own
+  wrapper_set_seed seeds inside the op with freeze_rng_state() and
+  torch.manual_seed(), which Dynamo never traces on any device (a graph
+  break that says nothing about the op); PyTorch's own Inductor OpInfo test
+  (test/inductor/test_torchinductor_opinfo.py) replaces the wrapper too.
+- Dynamo's capture_scalar_outputs and capture_dynamic_output_shape_ops are
+  on, so ops whose result depends on the data (nonzero, masked_select,
+  .item(), ...) are compiled into the graph with unbacked symbolic sizes
+  instead of breaking it: the case then tests kiln's compiled path for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import unittest.mock
 from typing import Any
 
 import torch
@@ -54,6 +70,36 @@ TOLERANCE = {
     "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),
     "complex64": Tolerance(atol=1e-5, rtol=1.3e-6),
 }
+
+
+# Dynamo and Inductor settings for every compiled case (see the module
+# docstring).
+COMPILE_CONFIG = {
+    "torch._inductor.config": {"fallback_random": True},
+    "torch._dynamo.config": {"capture_scalar_outputs": True,
+                             "capture_dynamic_output_shape_ops": True},
+}
+RANDOM_SEED = 42  # OpInfo's wrapper_set_seed's
+
+
+def _unseeded(op, *args, **kwargs):
+    """Stands in for common_methods_invocations.wrapper_set_seed during a
+    case: the caller seeds (with RANDOM_SEED) before each call instead."""
+    return op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _compile_settings():
+    import importlib
+
+    from torch.testing._internal import common_methods_invocations
+
+    with contextlib.ExitStack() as stack:
+        for module_name, values in COMPILE_CONFIG.items():
+            stack.enter_context(importlib.import_module(module_name).patch(values))
+        stack.enter_context(unittest.mock.patch.object(
+            common_methods_invocations, "wrapper_set_seed", _unseeded))
+        yield
 
 
 def default_tolerance(dtype_name: str) -> Tolerance:
@@ -98,20 +144,24 @@ def compiled_case(op: OpInfo, placed: PlacedSample, tolerance: Tolerance) -> Non
     eager, compiled = placed.on(DEVICE), placed.on(DEVICE)
     eager_error = compiled_error = None
     eager_out = compiled_out = None
-    try:
-        eager_out = KilnCall()(lambda s: op(s.input, *s.args, **s.kwargs), eager.sample)
-    except Exception as error:  # noqa: BLE001 - eager rejects the sample
-        eager_error = error
+    with _compile_settings():
+        try:
+            torch.manual_seed(RANDOM_SEED)
+            eager_out = KilnCall()(lambda s: op(s.input, *s.args, **s.kwargs), eager.sample)
+        except Exception as error:  # noqa: BLE001 - eager rejects the sample
+            eager_error = error
 
-    torch._dynamo.reset()
-    torch_kiln.compiler.reset_metrics()
-    fn = torch.compile(lambda *a, **k: op(*a, **k), dynamic=False)
-    try:
-        compiled_out = KilnCall()(lambda s: fn(s.input, *s.args, **s.kwargs), compiled.sample)
-    except Exception as error:  # noqa: BLE001 - classified below
-        compiled_error = error
-    metrics = torch_kiln.compiler.get_metrics()
-    torch._dynamo.reset()
+        torch._dynamo.reset()
+        torch_kiln.compiler.reset_metrics()
+        fn = torch.compile(lambda *a, **k: op(*a, **k), dynamic=False)
+        try:
+            torch.manual_seed(RANDOM_SEED)
+            compiled_out = KilnCall()(lambda s: fn(s.input, *s.args, **s.kwargs),
+                                      compiled.sample)
+        except Exception as error:  # noqa: BLE001 - classified below
+            compiled_error = error
+        metrics = torch_kiln.compiler.get_metrics()
+        torch._dynamo.reset()
 
     if eager_error is not None and compiled_error is not None:
         raise CaseSkipped(f"eager kiln rejects the sample ({describe_error(eager_error)}); "
