@@ -9,7 +9,8 @@ device backend's part of the key is the ``device_custom_pass`` of
 ``register_backend_for_device``: its ``uuid()`` enters every key
 (``FxGraphHashDetails.custom_backend_passes``). ``KilnCodegenPass`` leaves
 the graph unchanged and its uuid hashes kiln's code generator: the sources of
-this package, the compiler package's DeviceInterface, and the identity of
+this package, the compiler package's DeviceInterface and convolution
+strides under FakeTensorMode (fake_convolution.py), and the identity of
 the ``torch_kiln._C`` build that launches the kernels.
 """
 
@@ -31,6 +32,8 @@ def codegen_uuid() -> str:
     here = Path(__file__).resolve().parent
     files = sorted(str(p) for p in here.glob("*.py"))
     files.append(str(here.parent / "device_interface.py"))
+    # Output strides of kiln convolutions in the traced graph.
+    files.append(str(here.parent / "fake_convolution.py"))
     files = [f for f in files if os.path.exists(f)]
     stat = os.stat(torch_kiln._C.__file__)
     build = f"{torch_kiln._C.__file__}:{stat.st_size}:{stat.st_mtime_ns}".encode()

@@ -85,6 +85,83 @@ def _fix_scheduler_loop_passes() -> None:
     BaseSchedulerNode.is_cpu = is_cpu
 
 
+# Note [Kiln takes Inductor's CPU heuristics]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor tunes its C++ backend for the CPU with heuristics keyed on
+# `device.type == "cpu"`; every other device gets the answers meant for
+# Triton on a GPU. The reference kiln device runs Inductor's C++ code and
+# ATen's CPU kernels on the host, so the CPU answers are the right ones for
+# it, and the GPU answers were measured to cost speed: scatter-adds (max-pool
+# and embedding backward) became serial atomic-add loops where CPU calls
+# ATen's parallel scatter_reduce_, and convolutions stayed NCHW where CPU
+# switches the graph to channels-last, leaving the fused pooling kernels
+# after them poorly vectorized. The fixes below give kiln the CPU answer at
+# each such heuristic that changes only *how* the graph is computed (which
+# kernel, which layout, what to realize), never which operators run: the
+# mkldnn fusion passes, which rewrite graphs into CPU-only mkldnn operators,
+# stay off for kiln. A chip's backend would choose its own answers here.
+
+
+def _fix_cpu_realize_heuristics() -> None:
+    # ir.is_cpu is read only by three realize heuristics of the C++ backend
+    # (opcount and read-count thresholds, realizing reused heavy pointwise
+    # nodes); the CPU thresholds avoid recomputing expensive C++ loops.
+    from torch._inductor import ir
+
+    original = ir.is_cpu
+
+    def is_cpu(x) -> bool:
+        return ir.get_device_type(x) == "kiln" or original(x)
+
+    ir.is_cpu = is_cpu
+
+
+def _fix_scatter_fallback() -> None:
+    # utils.use_scatter_fallback sends scatter_reduce_(sum) to ATen's
+    # parallel kernel on CPU (config.cpp.fallback_scatter_reduce_sum) instead
+    # of a generated atomic-add loop; kiln's generated loop was also serial
+    # (its index check keeps it out of OpenMP, kernels.needs_serial_build).
+    from torch._inductor import utils
+
+    original = utils.use_scatter_fallback
+
+    def use_scatter_fallback(op_overload, reduction_type, self_dtype, src_dtype,
+                             src_device_type, src_is_tensor):
+        if src_device_type == "kiln":
+            src_device_type = "cpu"
+        return original(op_overload, reduction_type, self_dtype, src_dtype, src_device_type,
+                        src_is_tensor)
+
+    _replace_everywhere(original, use_scatter_fallback)
+
+
+def _fix_layout_optimization() -> None:
+    # GraphLowering.decide_layout_opt always turns on channels-last layout
+    # optimization for convolutions on a device oneDNN serves
+    # (utils.SUPPORTED_MKLDNN_DEVICES), which kiln's convolutions are: kiln
+    # runs CPU's convolution kernel. The tuple itself is not extended, since
+    # the mkldnn fusion passes read it too.
+    import torch
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.decide_layout_opt
+
+    def decide_layout_opt(gm, *, is_inference: bool) -> bool:
+        from torch._inductor import config
+
+        convolutions = [n for n in gm.graph.nodes
+                        if n.target is torch.ops.aten.convolution.default]
+        if (config.layout_optimization and convolutions
+                and torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
+                and all(getattr(n.args[i].meta.get("val"), "device", None) is not None
+                        and n.args[i].meta["val"].device.type == "kiln"
+                        for n in convolutions for i in (0, 1))):
+            return True
+        return original(gm, is_inference=is_inference)
+
+    GraphLowering.decide_layout_opt = staticmethod(decide_layout_opt)
+
+
 def install() -> None:
     """Applies every fix (idempotent). Needs Inductor imported."""
     global _installed
@@ -92,8 +169,13 @@ def install() -> None:
         return
     import torch._inductor.scheduler  # noqa: F401  (bind the modules that import the helpers)
     import torch._inductor.kernel.mm_common  # noqa: F401
+    import torch._inductor.decomposition  # noqa: F401
+    import torch._inductor.lowering  # noqa: F401
 
     _fix_get_current_backend()
     _fix_device_need_guard()
     _fix_scheduler_loop_passes()
+    _fix_cpu_realize_heuristics()
+    _fix_scatter_fallback()
+    _fix_layout_optimization()
     _installed = True

@@ -1,0 +1,98 @@
+"""Inductor makes the CPU's performance choices for kiln graphs
+(Note [Kiln takes Inductor's CPU heuristics], torch_kiln/compiler/inductor/
+fixes.py): the same code for the same graph on kiln as on CPU, where before
+kiln got the choices meant for Triton on a GPU. Each test compiles one small
+graph on both devices and compares what Inductor wrote, then the values.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch._dynamo
+from torch._inductor.utils import run_and_get_code
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_code(fn, *args):
+    """(result, wrapper and kernel source) of fn compiled for args' device."""
+    torch._dynamo.reset()
+    out, sources = run_and_get_code(torch.compile(fn), *args)
+    return out, "\n".join(sources)
+
+
+def pool_backward(x):
+    x = x.detach().requires_grad_()
+    out = F.max_pool2d(x.relu(), 2)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    return grad
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_scatter_add_calls_atens_scatter_reduce_as_on_cpu(device):
+    """index_add / max-pool backward: ATen's parallel scatter_reduce_ kernel,
+    not a generated (serial, atomic-add) loop."""
+    def fn(src, index):
+        return torch.zeros(64, 8, device=src.device).scatter_reduce(
+            0, index, src, reduce="sum", include_self=True)
+
+    src = torch.randn(256, 8)
+    index = torch.randint(0, 64, (256, 8))
+    cpu_out, cpu_code = compiled_code(fn, src, index)
+    out, code = compiled_code(fn, src.to(device), index.to(device))
+    assert "scatter_reduce_" in cpu_code and "scatter_reduce_" in code
+    assert "atomic_add" not in code
+    assert out.device == torch.device(device)
+    torch.testing.assert_close(out.cpu(), cpu_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_convolutions_get_channels_last_layout_as_on_cpu(device):
+    """Layout optimization in training: the forward graph runs its
+    convolutions channels-last on kiln as on CPU (oneDNN serves both; the
+    GPU heuristic left this graph NCHW), and the values are unchanged."""
+    import copy
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 4, 3, padding=1))
+    kiln_conv = copy.deepcopy(conv).to(device)
+    x = torch.randn(2, 3, 8, 8)
+    cpu_out, cpu_code = compiled_code(conv, x)
+    out, code = compiled_code(kiln_conv, x.to(device))
+    # The input converted to channels-last before the first convolution: a
+    # (2, 3, 8, 8) buffer with channels-last strides.
+    channels_last_input = "(192, 1, 24, 3)"
+    assert channels_last_input in cpu_code and channels_last_input in code
+    torch.testing.assert_close(out.cpu(), cpu_out.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, kiln_conv(x.to(device)), rtol=1e-5, atol=1e-5)
+
+
+def test_pool_backward_matches_cpu_and_eager():
+    x = torch.randn(4, 8, 6, 6)
+    expected = pool_backward(x)
+    for device in ("kiln:0", "kiln:1"):
+        out, code = compiled_code(pool_backward, x.to(device))
+        assert out.device == torch.device(device)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_realize_heuristics_read_kiln_as_cpu():
+    """ir.is_cpu, read only by the C++ backend's realize thresholds
+    (config.realize_cpu_opcount_threshold, realize_cpu_acc_reads_threshold),
+    answers as for CPU. A unit check: no small graph was found whose kernels
+    differ between the CPU and GPU thresholds."""
+    import torch._inductor.ir as ir
+    from torch_kiln.compiler.inductor import fixes
+
+    fixes.install()
+    assert ir.is_cpu(torch.device("kiln:0")) and ir.is_cpu(torch.device("kiln:1"))
+    assert ir.is_cpu(torch.device("cpu"))
+    assert not ir.is_cpu(torch.device("meta"))
