@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "aten/ArgumentTensors.h"
 #include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
 #include "aten/LayoutCache.h"
@@ -148,36 +149,6 @@ namespace {
 
 using c10::kiln::KilnStream;
 using torch::jit::Stack;
-
-std::string opName(const OpSchemaInfo& info) {
-  const auto& schema = *info.schema;
-  return schema.overload_name().empty() ? schema.name()
-                                        : schema.name() + "." + schema.overload_name();
-}
-
-template <typename F>
-void forEachTensorIn(const c10::IValue& value, ArgKind kind, F&& f) {
-  switch (kind) {
-    case ArgKind::Tensor:
-    case ArgKind::OptionalTensor:
-      if (value.isTensor()) {
-        f(value.toTensor());
-      }
-      break;
-    case ArgKind::TensorList:
-    case ArgKind::OptionalTensorList:
-      if (value.isList()) {
-        for (const c10::IValue& element : value.toListRef()) {
-          if (element.isTensor()) {
-            f(element.toTensor());
-          }
-        }
-      }
-      break;
-    default:
-      break;
-  }
-}
 
 // ---------------------------------------------------------------- devices
 
@@ -323,37 +294,6 @@ bool hasEmptyOutArgument(const OpSchemaInfo& info, const Stack& stack, size_t fi
 }
 
 // ---------------------------------------------------------------- aliases
-
-// `value` (an argument of kind `kind`) with every tensor in it replaced by
-// f(tensor), lists and optionals kept as they are.
-template <typename F>
-c10::IValue mapTensors(const c10::IValue& value, ArgKind kind, F&& f) {
-  switch (kind) {
-    case ArgKind::Tensor:
-    case ArgKind::OptionalTensor:
-      return value.isTensor() ? c10::IValue(f(value.toTensor())) : value;
-    case ArgKind::TensorList: {
-      std::vector<at::Tensor> tensors;
-      for (const c10::IValue& element : value.toListRef()) {
-        tensors.push_back(f(element.toTensor()));
-      }
-      return c10::IValue(c10::List<at::Tensor>(tensors));
-    }
-    case ArgKind::OptionalTensorList: {
-      std::vector<std::optional<at::Tensor>> tensors;
-      for (const c10::IValue& element : value.toListRef()) {
-        if (element.isTensor()) {
-          tensors.emplace_back(f(element.toTensor()));
-        } else {
-          tensors.emplace_back(std::nullopt);
-        }
-      }
-      return c10::IValue(c10::List<std::optional<at::Tensor>>(tensors));
-    }
-    default:
-      return value;
-  }
-}
 
 // Replaces the tensors in `value` by stand-ins from `aliaser`.
 c10::IValue aliasValue(const c10::IValue& value, ArgKind kind, TensorAliaser& aliaser) {
@@ -637,7 +577,7 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
     if (info.returns[r].kind == ReturnKind::Mutated) {
       continue; // the mutable argument's layout is recorded below
     }
-    forEachTensorIn(meta_stack[r], info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+    forEachTensorIn(meta_stack[r], returnArgKind(info.returns[r]),
                     [&](const at::Tensor& t) { outcome.returns[r].push_back(TensorLayout::of(t)); });
     if (info.returns[r].kind == ReturnKind::Fresh && !info.returns[r].is_list &&
         outcome.returns[r].empty()) {
@@ -816,7 +756,7 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     for (size_t r = 0; r < num_returns; ++r) {
       if (info.returns[r].kind == ReturnKind::Fresh) {
         forEachTensorIn(outcome->results[r],
-                        info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+                        returnArgKind(info.returns[r]),
                         [&](const at::Tensor& t) { probe->cpu_results[r].push_back(TensorLayout::of(t)); });
         if (!info.returns[r].is_list && probe->cpu_results[r].empty()) {
           probe->cpu_results[r].emplace_back();
@@ -829,7 +769,7 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     learned.returns.resize(num_returns);
     for (size_t r = 0; r < num_returns; ++r) {
       if (info.returns[r].kind == ReturnKind::Fresh || info.returns[r].kind == ReturnKind::View) {
-        forEachTensorIn(results[r], info.returns[r].is_list ? ArgKind::TensorList : ArgKind::Tensor,
+        forEachTensorIn(results[r], returnArgKind(info.returns[r]),
                         [&](const at::Tensor& t) { learned.returns[r].push_back(TensorLayout::of(t)); });
         if (!info.returns[r].is_list && learned.returns[r].empty()) {
           learned.returns[r].emplace_back(); // an undefined tensor

@@ -45,6 +45,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "aten/ArgumentTensors.h"
 #include "aten/KilnTask.h"
 #include "aten/OpSchemaInfo.h"
 #include "aten/OpTracking.h"
@@ -328,59 +329,15 @@ class SparseHostMapping {
   std::vector<std::pair<const c10::StorageImpl*, at::Tensor>> staged_members_;
 };
 
-template <typename F>
-void forEachTensor(const c10::IValue& value, F&& f) {
-  if (value.isTensor()) {
-    f(value.toTensor());
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorVector()) {
-      f(t);
-    }
-  } else if (value.isList()) {
-    for (const c10::IValue& element : value.toListRef()) {
-      if (element.isTensor()) {
-        f(element.toTensor());
-      }
-    }
-  }
-}
-
-template <typename F>
-c10::IValue mapTensors(const c10::IValue& value, F&& f) {
-  if (value.isTensor()) {
-    return c10::IValue(f(value.toTensor()));
-  }
-  if (value.isTensorList()) {
-    std::vector<at::Tensor> mapped;
-    for (const at::Tensor& t : value.toTensorVector()) {
-      mapped.push_back(f(t));
-    }
-    return c10::IValue(c10::List<at::Tensor>(mapped));
-  }
-  if (value.isList() && !value.toListRef().empty() && value.toListRef()[0].isTensor()) {
-    c10::List<std::optional<at::Tensor>> mapped;
-    for (const c10::IValue& element : value.toListRef()) {
-      mapped.push_back(element.isTensor() ? std::optional<at::Tensor>(f(element.toTensor()))
-                                          : std::nullopt);
-    }
-    return c10::IValue(mapped);
-  }
-  return value;
-}
-
-std::string opName(const c10::FunctionSchema& schema) {
-  return schema.overload_name().empty() ? schema.name()
-                                        : schema.name() + "." + schema.overload_name();
-}
-
 // The one kiln device of the call's tensors. As on CUDA, a host tensor with
 // dimensions (or a sparse host tensor) next to kiln tensors is an error;
 // 0-dim dense host tensors are scalars.
-c10::Device deviceOfCall(const c10::FunctionSchema& schema, const Stack& stack, size_t first) {
+c10::Device deviceOfCall(const OpSchemaInfo& info, const Stack& stack, size_t first) {
+  const c10::FunctionSchema& schema = *info.schema;
   std::optional<c10::Device> device;
   std::optional<c10::Device> host;
   for (size_t i = first; i < stack.size(); ++i) {
-    forEachTensor(stack[i], [&](const at::Tensor& t) {
+    forEachTensorIn(stack[i], info.arg_kinds[i - first], [&](const at::Tensor& t) {
       if (!t.defined()) {
         return;
       }
@@ -417,9 +374,9 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
       "PyTorch's CPU kernels, and PyTorch has no ", c10::toString(cpu_key),
       " kernel for it either.");
 
-  const c10::Device device = deviceOfCall(schema, *stack, first);
-  const c10::DeviceGuard device_guard(device);
   const OpSchemaInfo& info = opSchemaInfo(op);
+  const c10::Device device = deviceOfCall(info, *stack, first);
+  const c10::DeviceGuard device_guard(device);
   recordExecutedOp(schema.operator_name());
   recordSyncOp(schema.operator_name());
   const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
@@ -428,7 +385,7 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
   std::vector<const c10::TensorImpl*> mutated_sparse;
   for (size_t i = 0; i < num_args; ++i) {
     if (info.arg_is_mutable[i]) {
-      forEachTensor((*stack)[first + i], [&](const at::Tensor& t) {
+      forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
         if (isKiln(t) && t.layout() != c10::kStrided) {
           mutated_sparse.push_back(t.unsafeGetTensorImpl());
         }
@@ -451,7 +408,7 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
       continue;
     }
     const bool out = info.arg_is_out[i];
-    host_args.push_back(mapTensors(value, [&](const at::Tensor& t) -> at::Tensor {
+    host_args.push_back(mapTensors(value, info.arg_kinds[i], [&](const at::Tensor& t) -> at::Tensor {
       if (out && isKiln(t) && t.layout() == c10::kStrided) {
         return mapping.stagedDense(t); // copied into the kiln tensor afterwards
       }
@@ -522,7 +479,8 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
       results.push_back((*stack)[first + static_cast<size_t>(ret.source)]);
     } else {
       results.push_back(
-          mapTensors(outcome->results[r], [&](const at::Tensor& t) { return mapping.toKiln(t); }));
+          mapTensors(outcome->results[r], returnArgKind(ret),
+                     [&](const at::Tensor& t) { return mapping.toKiln(t); }));
     }
   }
   torch::jit::drop(*stack, num_args);
