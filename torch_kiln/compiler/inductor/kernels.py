@@ -19,6 +19,7 @@ arguments and enqueues one call on the current stream of ``kiln:device``
 from __future__ import annotations
 
 import ctypes
+import re
 
 from torch_kiln import _C
 
@@ -92,6 +93,49 @@ def needs_serial_build(source: str) -> bool:
     worker alone), so the check's exception reaches the task and becomes the
     stream's sticky error like an eager kernel's."""
     return INDEX_CHECK_MARKER in source
+
+
+# Note [Inductor's integer-division flag on kiln]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor's C++ kernels report an integer division by zero through one
+# pointer, `inductor_cpu_integer_div_error_flag`, an inline variable of
+# cpp_prefix.h: every kernel points it at a local atomic on entry and resets
+# it to nullptr on exit, and the three scalar helpers that divide
+# (floor_divide_integral, mod, remainder_integral) store to it. The variable
+# is a GNU unique symbol, one per process across all kernel libraries, so two
+# kernels running at once (two kiln streams, two devices) race on it: one
+# kernel's exit nulls the pointer under the other, whose division by zero
+# then throws inside an OpenMP region (std::terminate), or the pointer
+# outlives the local it points to. Kiln rewrites each kernel's source:
+# a kernel that calls none of the three helpers never touches the pointer
+# (it has nothing to report), and one that does holds a process-wide mutex
+# (an inline variable too, so unique in the same way) from setting the
+# pointer to its final check. Only kernels that divide integers are
+# serialized, and only against each other.
+INTEGER_DIV_FLAG_SET = "inductor_cpu_integer_div_error_flag = &inductor_cpu_integer_div_error;"
+INTEGER_DIV_FLAG_CLEAR = "inductor_cpu_integer_div_error_flag = nullptr;"
+_INTEGER_DIV_HELPERS = re.compile(r"\b(floor_divide_integral|remainder_integral|mod)\(")
+_PREFIX_INCLUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
+_FLAG_MUTEX = "kiln_integer_div_flag_mutex"
+
+
+def isolate_integer_division_flag(source: str) -> str:
+    """``source`` (one generated kernel) rewritten so it uses Inductor's
+    process-wide integer-division flag only while holding a process-wide
+    mutex, and only if it divides integers (Note [Inductor's integer-division
+    flag on kiln])."""
+    if INTEGER_DIV_FLAG_SET not in source:
+        return source
+    if not _INTEGER_DIV_HELPERS.search(source):
+        return source.replace(INTEGER_DIV_FLAG_SET, "").replace(INTEGER_DIV_FLAG_CLEAR, "")
+    if _PREFIX_INCLUDE not in source:
+        raise RuntimeError(
+            "kiln: a generated kernel that divides integers does not include cpp_prefix.h; "
+            "kiln cannot guard Inductor's division-by-zero flag for it")
+    declaration = f"{_PREFIX_INCLUDE}\n#include <mutex>\ninline std::mutex {_FLAG_MUTEX};"
+    guard = f"std::lock_guard<std::mutex> kiln_integer_div_flag_guard({_FLAG_MUTEX}); "
+    return (source.replace(_PREFIX_INCLUDE, declaration, 1)
+            .replace(INTEGER_DIV_FLAG_SET, guard + INTEGER_DIV_FLAG_SET))
 
 
 def load_kernel(async_compile, name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):

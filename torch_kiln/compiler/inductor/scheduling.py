@@ -63,6 +63,7 @@ class KilnScheduling(CppScheduling):
             .replace(str(Placeholder.DESCRIPTIVE_NAME), kernel_name)
             .replace("#pragma CMT", "//")
         )
+        source = kernels.isolate_integer_division_flag(source)
         args = self.kernel_group.args if kernel_args is None else kernel_args
         _, _, arg_types = args.cpp_argdefs()
         signature, trampoline = kernels.entry_trampoline(KERNEL_SYMBOL, arg_types)
