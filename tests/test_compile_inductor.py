@@ -467,3 +467,42 @@ def test_compiled_under_autocast(dtype):
     # Fused code rounds to the low precision at other points than eager.
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=2e-2,
                                atol=2e-2)
+
+
+def test_inductor_compiles_while_another_thread_runs_eager_kiln_work():
+    """Inductor's compilation (C++ builds, fake tracing) on the main thread
+    while a second thread keeps kiln:0 and kiln:1 busy with eager ops: both
+    give their own results."""
+    import threading
+
+    stop = threading.Event()
+    errors = []
+
+    def eager_work():
+        try:
+            for device in ("kiln:0", "kiln:1"):
+                a = torch.randn(48, 48, device=device)
+                expected = (a @ a).relu().sum(0).cpu()
+                for _ in range(3):
+                    torch.testing.assert_close((a @ a).relu().sum(0).cpu(), expected,
+                                               rtol=0, atol=0)
+            while not stop.is_set():
+                b = torch.randn(48, 48, device="kiln:0")
+                torch.testing.assert_close((b * 2).cpu(), b.cpu() * 2, rtol=0, atol=0)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=eager_work)
+    worker.start()
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, y: (x.sin() * y).cumsum(0) + y.exp().mean())
+        x = torch.randn(32, 16, device="kiln")
+        y = torch.randn(32, 16, device="kiln")
+        out = fn(x, y)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert not errors, errors
+    assert_close(out, (x.sin() * y).cumsum(0) + y.exp().mean())
