@@ -97,6 +97,10 @@ class Report:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     run: dict[str, Any] | None = None
     files_scanned: list[str] = dataclasses.field(default_factory=list)
+    not_run_reason: str = ""
+    # audit(callable) only: the call's return value and the exception it raised.
+    result: Any = dataclasses.field(default=None, repr=False, compare=False)
+    error: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def by_category(self) -> dict[str, list[Finding]]:
         """Findings grouped by category, in catalog order."""
@@ -124,7 +128,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The whole report as the JSON document documented in docs/audit.md."""
         return {"schema": SCHEMA, "target": self.target, "argv": list(self.argv),
-                "run": self.run, "files_scanned": list(self.files_scanned),
+                "run": self.run, "not_run_reason": self.not_run_reason,
+                "files_scanned": list(self.files_scanned),
                 "summary": self.summary(),
                 "findings": [f.to_dict() for f in self.by_category_flat()]}
 

@@ -31,12 +31,24 @@ __all__ = ["scan_program", "scan_source", "scan_file"]
 
 # Applied to the *value* of a string literal, never to source text.
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
-_NCCL = re.compile(r"(^|[^a-z])nccl($|[^a-z])")
+# A process-group backend spec: "nccl", "cpu:gloo,cuda:nccl".
+_BACKEND_SPEC = re.compile(r"[a-z]+(:[a-z]+)?(,[a-z]+(:[a-z]+)?)*")
 _CUDA_SOURCE_SUFFIXES = (".cu", ".cuh")
 
 _EXTENSION_BUILDERS = {"torch.utils.cpp_extension.load_inline", "torch.utils.cpp_extension.load"}
 _CUDA_EXTENSION_TYPES = {"torch.utils.cpp_extension.CUDAExtension"}
 _TRITON_DECORATORS = {"triton.jit", "triton.autotune", "triton.heuristics"}
+
+
+def _is_nccl(value: str) -> bool:
+    """A backend spec naming NCCL ("nccl", "cpu:gloo,cuda:nccl"), not prose."""
+    return bool(_BACKEND_SPEC.fullmatch(value)) and "nccl" in re.split(r"[:,]", value)
+
+
+def _is_cuda_source_name(value: str) -> bool:
+    """A file name ending in .cu/.cuh (no whitespace: not prose)."""
+    return value.endswith(_CUDA_SOURCE_SUFFIXES) and len(value) > 3 and not any(
+        c.isspace() for c in value)
 
 
 def _finding(category: str, file: str, line: int | None, message: str, code: str = "",
@@ -140,9 +152,9 @@ class _Scanner(ast.NodeVisitor):
                          "CUDA side of this branch is not taken")
             else:
                 self.add("device-string", node, f"hard-coded device {value!r}")
-        elif _NCCL.search(value) and len(value) < 40:
+        elif _is_nccl(value):
             self.add("nccl", node, f"process-group backend {value!r}: NCCL exists only on CUDA")
-        elif value.endswith(_CUDA_SOURCE_SUFFIXES) and "\n" not in value and len(value) < 260:
+        elif _is_cuda_source_name(value):
             self.add("cuda-extension", node, f"names CUDA source {value!r}")
 
     def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
@@ -201,7 +213,7 @@ class _Scanner(ast.NodeVisitor):
         if name in _EXTENSION_BUILDERS:
             keywords = {k.arg for k in node.keywords}
             sources = [a for a in ast.walk(node) if isinstance(a, ast.Constant)
-                       and isinstance(a.value, str) and a.value.endswith(_CUDA_SOURCE_SUFFIXES)]
+                       and isinstance(a.value, str) and _is_cuda_source_name(a.value)]
             if "cuda_sources" in keywords or sources:
                 self.add("cuda-extension", node, f"{name.rsplit('.', 1)[1]}() builds a CUDA "
                          "extension")
@@ -270,7 +282,7 @@ def _token_fallback(file: str, text: str, lines: list[str]) -> list[Finding]:
                 continue
             if isinstance(value, str) and _CUDA_DEVICE.fullmatch(value):
                 add("device-string", tok.start[0], f"hard-coded device {value!r}")
-            elif isinstance(value, str) and _NCCL.search(value) and len(value) < 40:
+            elif isinstance(value, str) and _is_nccl(value):
                 add("nccl", tok.start[0], f"process-group backend {value!r}")
         elif tok.type == tokenize.NAME and tok.string == "cuda" and i > 0 and tokens[i - 1].string == ".":
             nxt = tokens[i + 1].string if i + 1 < len(tokens) else ""
@@ -365,7 +377,7 @@ def scan_program(script: str, root: str | None = None) -> tuple[list[Finding], l
 
     Returns ``(findings, files_scanned)``; ``.cu``/``.cuh`` files next to a
     scanned module are listed as ``cuda-extension`` findings of their own
-    (``line`` None, ``detail["lines"]`` their length). Raises
+    (at line 1, ``detail["lines"]`` their length). Raises
     ``FileNotFoundError`` if ``script`` does not exist.
     """
     script = os.path.realpath(script)
@@ -396,6 +408,6 @@ def scan_program(script: str, root: str | None = None) -> tuple[list[Finding], l
                 path = os.path.join(directory, name)
                 with open(path, "rb") as handle:
                     count = handle.read().count(b"\n")
-                findings.append(_finding("cuda-extension", path, None,
+                findings.append(_finding("cuda-extension", path, 1,
                                          f"CUDA source file ({count} lines)", lines=count))
     return findings, scanned

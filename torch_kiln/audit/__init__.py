@@ -1,0 +1,27 @@
+"""The CUDA lock-in audit (issue 15): run a program written for CUDA on kiln
+and get the inventory of what ties it to CUDA, with the portable fixes.
+
+From the shell::
+
+    python -m torch_kiln.audit [--map-cuda] [--timeout S] [--json PATH] script.py [args]
+    kiln-audit ...                                  # the same, as a console script
+
+From Python::
+
+    from torch_kiln.audit import audit, audit_script
+    report = audit(train_one_epoch, model, loader)      # in this process
+    report = audit_script("train.py", ["--epochs", "1"], map_cuda=True)
+    for finding in report.findings:
+        print(finding.location, finding.category, finding.on_kiln, finding.replacement)
+
+The package: :mod:`.findings` (the data model), :mod:`.catalog` (categories
+and known CUDA APIs), :mod:`.static` (the ``ast`` reader), :mod:`.mapping`
+(``--map-cuda``), :mod:`.tracer` (run-time recording), :mod:`.runner` and
+:mod:`.child` (the script's own process), :mod:`.report` (text and JSON),
+:mod:`.cli`. The JSON schema and a worked example: docs/audit.md.
+"""
+
+from torch_kiln.audit.api import AuditError, audit, audit_script
+from torch_kiln.audit.findings import Finding, Report
+
+__all__ = ["audit", "audit_script", "AuditError", "Finding", "Report"]

@@ -1,0 +1,86 @@
+"""``python -m torch_kiln.audit`` / ``kiln-audit``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch_kiln.audit.api import AuditError, audit_script
+from torch_kiln.audit.report import format_text, write_json
+
+__all__ = ["main", "USAGE_ERROR"]
+
+# Exit status when the audit itself cannot start (argparse uses it too).
+USAGE_ERROR = 2
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0); got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0); got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_kiln.audit",
+        description="CUDA lock-in audit: read a PyTorch program and run it on kiln, then "
+                    "list everything that ties it to CUDA, with the portable replacement. "
+                    "The script's own output passes through unchanged; the report is written "
+                    "to stderr (or --output) after the run, and the audit exits with the "
+                    "script's exit status.",
+        epilog="Everything after the script's name is passed to the script.")
+    parser.add_argument("--map-cuda", action="store_true",
+                        help='run with "cuda" devices, .cuda() and common torch.cuda calls '
+                             "resolved to kiln, so an unmodified CUDA program runs")
+    parser.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS",
+                        help="end the run after SECONDS (exit status 124); the report still "
+                             "comes out")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the report as JSON (schema: docs/audit.md); - for stdout")
+    parser.add_argument("--output", metavar="PATH",
+                        help="write the text report to PATH instead of stderr")
+    parser.add_argument("--no-run", action="store_true",
+                        help="static findings only: read the source, do not run it")
+    parser.add_argument("--root", metavar="DIR",
+                        help="the user's source tree: imported modules under DIR are read, and "
+                             "run-time findings are reported at lines under DIR "
+                             "(default: the script's directory)")
+    parser.add_argument("script", help="the Python script to audit")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command with ``argv`` (default ``sys.argv[1:]``); returns the
+    exit status: the script's own, 124 after ``--timeout``, 1 for a script
+    with a syntax error (not run), 0 with ``--no-run``, 2 if the audit could
+    not start (bad option, missing script)."""
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    try:
+        report = audit_script(opts.script, opts.args, map_cuda=opts.map_cuda,
+                              timeout=opts.timeout, run=not opts.no_run, root=opts.root)
+    except (AuditError, FileNotFoundError) as error:
+        print(f"kiln-audit: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    text = format_text(report)
+    if opts.output:
+        with open(opts.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.flush()
+        sys.stderr.write("\n" + text)
+    if opts.json:
+        write_json(report, opts.json)
+    if report.run is None:
+        return 1 if report.not_run_reason and not opts.no_run else 0
+    status = report.run.get("exit_status")
+    return 1 if status is None else int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

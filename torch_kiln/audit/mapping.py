@@ -1,0 +1,170 @@
+"""``--map-cuda``: make an unmodified CUDA program run on kiln, for one run.
+
+Note [Mapping CUDA to kiln]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The mapping has two parts, both undone when :class:`CudaMapping` exits:
+
+1. **Arguments**, rewritten by the audit's ``TorchFunctionMode``
+   (:mod:`torch_kiln.audit.tracer` calls :func:`map_call` on every call that
+   reaches ``__torch_function__``): a ``"cuda"``/``"cuda:N"`` string or a
+   ``torch.device`` of type ``cuda`` passed to a torch function becomes
+   ``kiln``/``kiln:N``; ``torch.device("cuda")`` itself constructs
+   ``kiln:0`` (``torch.device`` is a C type, but its constructor does go
+   through ``__torch_function__``); ``Tensor.cuda()`` becomes
+   ``Tensor.to("kiln:N")``.
+2. **Attributes**, patched for the run: ``torch.cuda.is_available`` (True),
+   ``device_count``, ``synchronize``, ``manual_seed``, streams, events, the
+   memory queries and the other functions ``torch.kiln`` mirrors;
+   ``torch.cuda.amp.autocast``/``GradScaler``; ``torch.autocast`` and
+   ``torch.amp.GradScaler`` given ``"cuda"``; ``nn.Module.cuda``; NVTX
+   ranges become no-ops.
+
+Limits (what the mapping cannot see): a device made with ``torch.device``
+reads ``type == "kiln"`` afterwards, so a program's own ``device.type ==
+"cuda"`` branches take their non-CUDA side (the static findings list every
+such branch); ``Tensor.is_cuda`` is False for kiln tensors; code that calls
+``torch._C._cuda_*`` directly, CUDA extensions, Triton kernels and CUDA-only
+libraries still fail (they are findings, not something to map); names bound
+with ``from torch.cuda import synchronize`` *before* the mapping started keep
+the original (the audited script is started after the mapping, so its own
+imports see the patched functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["CudaMapping", "map_call", "map_device"]
+
+_CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+# torch.cuda functions that become torch.kiln's function of the same name.
+_SAME_NAME = (
+    "current_device", "set_device", "device", "device_of", "synchronize", "manual_seed",
+    "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "empty_cache", "memory_allocated",
+    "max_memory_allocated", "memory_reserved", "max_memory_reserved", "memory_stats",
+    "memory_summary", "memory_snapshot", "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats", "mem_get_info", "get_device_name",
+    "get_device_properties", "get_device_capability", "is_bf16_supported", "current_stream",
+    "default_stream", "set_stream", "stream", "Stream", "Event", "StreamContext",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction", "ipc_collect",
+    "device_count", "init", "is_initialized",
+)
+
+
+def map_device(value: Any) -> Any:
+    """``value`` with a CUDA device replaced by the same-index kiln device;
+    anything else is returned unchanged. Accepts ``str`` and ``torch.device``."""
+    if isinstance(value, str):
+        match = _CUDA_DEVICE.fullmatch(value)
+        if match:
+            return f"kiln:{match.group(1)}" if match.group(1) else "kiln"
+    elif isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("kiln", value.index) if value.index is not None else torch.device("kiln")
+    return value
+
+
+def map_call(func: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """The call to make instead of ``func(*args, **kwargs)`` under the
+    mapping (see Note [Mapping CUDA to kiln])."""
+    if func is torch.Tensor.cuda:
+        device = kwargs.pop("device", args[1] if len(args) > 1 else None)
+        if isinstance(device, int):
+            target = torch.device("kiln", device)
+        else:
+            target = map_device(device) if device is not None else "kiln"
+        return torch.Tensor.to, (args[0], target), kwargs
+    if func is torch.device:
+        if args and isinstance(args[0], str) and _CUDA_DEVICE.fullmatch(args[0]):
+            return func, (map_device(args[0]),) + tuple(args[1:]), kwargs
+        if args and args[0] == "cuda":  # torch.device("cuda", 1)
+            return func, ("kiln",) + tuple(args[1:]), kwargs
+        return func, args, kwargs
+    new_args = tuple(map_device(a) for a in args)
+    new_kwargs = {k: map_device(v) for k, v in kwargs.items()}
+    return func, new_args, new_kwargs
+
+
+def _kiln_autocast(*args, **kwargs):
+    kwargs.pop("device_type", None)
+    return torch.amp.autocast("kiln", *args, **kwargs)
+
+
+def _kiln_grad_scaler(*args, **kwargs):
+    kwargs.pop("device", None)
+    return torch.amp.GradScaler("kiln", *args, **kwargs)
+
+
+class CudaMapping(contextlib.AbstractContextManager):
+    """Patches ``torch.cuda``, ``torch.autocast``, ``torch.amp.GradScaler`` and
+    ``nn.Module.cuda`` so that CUDA requests reach kiln; restores every
+    attribute on exit (also if the body raises). Argument rewriting is the
+    tracer's job (:func:`map_call`). Not re-entrant; not thread-safe (it
+    patches modules, as a test's monkeypatch does). Raises ``RuntimeError``
+    if the kiln device is not available."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[object, str, object, bool]] = []
+
+    def _set(self, owner: object, name: str, value: object) -> None:
+        had = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
+        self._saved.append((owner, name, getattr(owner, name, None), had))
+        setattr(owner, name, value)
+
+    def __enter__(self) -> "CudaMapping":
+        if not hasattr(torch, "kiln") or not torch.kiln.is_available():
+            raise RuntimeError("--map-cuda needs the kiln device, and torch.kiln is not "
+                               "available; is torch_kiln installed and importable?")
+        kiln = torch.kiln
+        cuda = torch.cuda
+        self._set(cuda, "is_available", lambda: True)
+        for name in _SAME_NAME:
+            if hasattr(kiln, name):
+                self._set(cuda, name, getattr(kiln, name))
+        amp = torch.cuda.amp
+        self._set(amp, "autocast", _kiln_autocast)
+        self._set(amp, "GradScaler", _kiln_grad_scaler)
+        nvtx = torch.cuda.nvtx
+        self._set(nvtx, "range_push", lambda msg: 0)
+        self._set(nvtx, "range_pop", lambda: 0)
+        self._set(nvtx, "mark", lambda msg: None)
+        self._set(nvtx, "range", lambda msg, *a, **k: contextlib.nullcontext())
+
+        autocast_init = torch.amp.autocast.__init__
+
+        @functools.wraps(autocast_init)
+        def autocast_on_kiln(self_, device_type, *args, **kwargs):
+            autocast_init(self_, "kiln" if device_type == "cuda" else device_type, *args, **kwargs)
+
+        self._set(torch.amp.autocast, "__init__", autocast_on_kiln)
+
+        scaler_init = torch.amp.GradScaler.__init__
+
+        @functools.wraps(scaler_init)
+        def scaler_on_kiln(self_, device="cuda", *args, **kwargs):
+            scaler_init(self_, "kiln" if device == "cuda" else device, *args, **kwargs)
+
+        self._set(torch.amp.GradScaler, "__init__", scaler_on_kiln)
+
+        def module_cuda(self_, device=None):
+            """nn.Module.cuda under --map-cuda: moves to the kiln device."""
+            if isinstance(device, int):
+                return self_.to(torch.device("kiln", device))
+            return self_.to(map_device(device) if device is not None else "kiln")
+
+        self._set(torch.nn.Module, "cuda", module_cuda)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        while self._saved:
+            owner, name, value, had = self._saved.pop()
+            if had:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)

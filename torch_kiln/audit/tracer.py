@@ -1,0 +1,267 @@
+"""The run-time half of the audit: watch a program run on kiln and record,
+at the user's own line, what ties it to CUDA or slows it there.
+
+:class:`RunTracer` is a context manager around the program. While it is
+active, a ``TorchFunctionMode`` sees every call into a torch function
+(operators, ``Tensor`` methods, ``torch.device``) made outside torch itself,
+and:
+
+- **synchronizations**: compares kiln's count of sync ops
+  (``torch.kiln.get_sync_ops()``: ``item()``, ``nonzero``, blocking copies to
+  the host, printing, ...) before and after the call; a call that raised it
+  is recorded with the sync op's ATen name and the user's line;
+- **failures**: an operator that raised ``RuntimeError`` (which includes
+  ``NotImplementedError``) is recorded with its error, then re-raised
+  unchanged;
+- with ``map_cuda=True``, rewrites CUDA devices to kiln
+  (Note [Mapping CUDA to kiln] in :mod:`torch_kiln.audit.mapping`).
+
+On exit it reads Dynamo's graph-break reasons (with the user's line) and
+recompilations (with the compiled function's first line).
+
+"The user's line" is the innermost frame of the call stack whose file is
+under ``root`` and not in ``site-packages``: a sync inside
+``GradScaler.step`` is reported at the script's ``scaler.step(opt)``.
+The mode costs a few microseconds per torch call; it is for audits, not
+production runs.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from torch_kiln.audit import catalog
+from torch_kiln.audit.findings import Finding
+
+__all__ = ["RunTracer"]
+
+_AUDIT_DIR = os.path.dirname(os.path.realpath(__file__))
+
+
+def _sync_total() -> int:
+    return sum(torch.kiln.get_sync_ops().values())
+
+
+def _sync_ops() -> dict[str, int]:
+    from torch_kiln import _C
+
+    return _C._get_sync_ops()  # unsorted: cheaper than torch.kiln.get_sync_ops()
+
+
+def _op_name(func: Callable) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None)
+    if name.startswith("TensorBase."):
+        name = "Tensor." + name[len("TensorBase."):]
+    elif module and module.startswith("torch") and "." not in name:
+        name = f"{module}.{name}" if module != "torch._C._VariableFunctions" else f"torch.{name}"
+    return name
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, tracer: "RunTracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tracer = self.tracer
+        kwargs = kwargs or {}
+        if tracer.map_cuda:
+            func, args, kwargs = tracer._map_call(func, args, kwargs)
+        before = tracer._sync_ops()
+        try:
+            result = func(*args, **kwargs)
+        except RuntimeError as error:
+            tracer._record_failure(func, error)
+            raise
+        after = tracer._sync_ops()
+        if after != before:
+            tracer._record_sync(func, before, after)
+        return result
+
+
+class RunTracer:
+    """Records run-time findings for code run inside ``with RunTracer(...)``.
+
+    ``root``: directory whose files count as the user's code (lines are
+    reported there). ``map_cuda``: also map CUDA to kiln for the run
+    (:class:`torch_kiln.audit.mapping.CudaMapping`). ``on_event``: called with
+    a JSON-able dict the first time each site is seen (the audit's child
+    process streams these to its parent so that a run killed by a timeout
+    still reports). Raises ``RuntimeError`` on entry if kiln is unavailable.
+    """
+
+    def __init__(self, root: str, map_cuda: bool = False,
+                 on_event: Callable[[dict], None] | None = None) -> None:
+        self.root = os.path.realpath(root)
+        self.map_cuda = map_cuda
+        self.on_event = on_event
+        self._sites: dict[tuple, dict[str, Any]] = {}
+        self._user_file: dict[str, bool] = {}
+        self._mode: _Mode | None = None
+        self._mapping = None
+        self._map_call = None
+        self._kiln_syncs_at_start = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "RunTracer":
+        if not hasattr(torch, "kiln"):
+            raise RuntimeError("the audit's run-time tracing needs the kiln device; "
+                               "torch.kiln is missing (is torch_kiln installed?)")
+        if self.map_cuda:
+            from torch_kiln.audit.mapping import CudaMapping, map_call
+
+            self._mapping = CudaMapping().__enter__()
+            self._map_call = map_call
+        self._kiln_syncs_at_start = _sync_total()
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc_info)
+                self._mode = None
+        finally:
+            if self._mapping is not None:
+                self._mapping.__exit__(*exc_info)
+                self._mapping = None
+
+    # --- recording -------------------------------------------------------------------------
+    _sync_ops = staticmethod(_sync_ops)
+
+    def _is_user_file(self, filename: str) -> bool:
+        known = self._user_file.get(filename)
+        if known is None:
+            path = os.path.realpath(filename) if not filename.startswith("<") else ""
+            parts = set(path.split(os.sep))
+            known = (path.startswith(self.root + os.sep) and not path.startswith(_AUDIT_DIR)
+                     and not parts & {"site-packages", "dist-packages"})
+            self._user_file[filename] = known
+        return known
+
+    def user_site(self, frame=None) -> tuple[str | None, int | None]:
+        """``(file, line)`` of the innermost user frame above ``frame``
+        (default: the caller), or ``(None, None)``."""
+        frame = frame or sys._getframe(1)
+        while frame is not None:
+            if self._is_user_file(frame.f_code.co_filename):
+                return os.path.realpath(frame.f_code.co_filename), frame.f_lineno
+            frame = frame.f_back
+        return None, None
+
+    def _site(self, kind: str, file, line, key: str, **fields) -> None:
+        site = self._sites.get((kind, file, line, key))
+        if site is not None:
+            site["count"] += 1
+            return
+        site = {"kind": kind, "file": file, "line": line, "key": key, "count": 1, **fields}
+        self._sites[(kind, file, line, key)] = site
+        if self.on_event is not None:
+            self.on_event(dict(site))
+
+    def _record_sync(self, func: Callable, before: dict, after: dict) -> None:
+        file, line = self.user_site(sys._getframe(2))
+        aten = sorted(op for op, n in after.items() if n != before.get(op, 0))
+        self._site("sync", file, line, _op_name(func), op=_op_name(func), aten=aten)
+
+    def _record_failure(self, func: Callable, error: BaseException) -> None:
+        file, line = self.user_site(sys._getframe(2))
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self._site("op-failure", file, line, _op_name(func), op=_op_name(func),
+                   error=f"{type(error).__name__}: {first}"[:300])
+
+    def record_event(self, event: dict) -> None:
+        """Adds an event produced elsewhere (the run's own failure)."""
+        self._site(event.pop("kind"), event.pop("file", None), event.pop("line", None),
+                   event.pop("key", ""), **event)
+
+    # --- results ---------------------------------------------------------------------------
+    def compile_events(self) -> list[dict]:
+        """Graph breaks (at the user's line) and recompilations (at the
+        recompiled function's first line) from Dynamo's own records."""
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return []
+        events: dict[tuple, dict] = {}
+        for reason in list(getattr(utils, "graph_break_reasons", [])):
+            file = line = None
+            for frame in reversed(list(getattr(reason, "user_stack", []) or [])):
+                if self._is_user_file(frame.filename):
+                    file, line = os.path.realpath(frame.filename), frame.lineno
+                    break
+            text = str(getattr(reason, "reason", reason)).strip()
+            first = text.splitlines()[0] if text else "unknown"
+            key = ("graph-break", file, line, first)
+            if key in events:
+                events[key]["count"] += 1
+            else:
+                events[key] = {"kind": "graph-break", "file": file, "line": line, "key": first,
+                               "count": 1, "reason": text[:1000]}
+        from torch_kiln.compiler.metrics import _FIRST_COMPILE
+
+        for code, failures in list(utils.guard_failures.items()):
+            reasons = [_FIRST_COMPILE.sub("", str(f), count=1) for f in failures
+                       if _FIRST_COMPILE.match(str(f))]
+            if not reasons:
+                continue
+            filename = getattr(code, "co_filename", "")
+            user = self._is_user_file(filename)
+            file = os.path.realpath(filename) if user else None
+            line = getattr(code, "co_firstlineno", None) if user else None
+            events[("recompilation", file, line, getattr(code, "co_name", "?"))] = {
+                "kind": "recompilation", "file": file, "line": line,
+                "key": getattr(code, "co_name", "?"), "count": len(reasons),
+                "reasons": reasons[:10]}
+        return list(events.values())
+
+    def events(self) -> list[dict]:
+        """Every site recorded so far, plus the compile events."""
+        return [dict(s) for s in self._sites.values()] + self.compile_events()
+
+    def unattributed_syncs(self) -> int:
+        """Sync ops kiln counted during the run that no traced call caused
+        (e.g. inside compiled code or at exit)."""
+        # A traced call counts once even if it synchronized twice: a lower bound.
+        traced = sum(s["count"] for s in self._sites.values() if s["kind"] == "sync")
+        return max(0, _sync_total() - self._kiln_syncs_at_start - traced)
+
+
+def events_to_findings(events: list[dict]) -> list[Finding]:
+    """Run-time events (from :meth:`RunTracer.events` or the child process)
+    as findings, one per site."""
+    findings = []
+    for event in events:
+        kind = event["kind"]
+        cat = catalog.category(kind)
+        count = int(event.get("count", 1))
+        detail = {k: v for k, v in event.items()
+                  if k not in ("kind", "file", "line", "key", "count", "code")}
+        if kind == "sync":
+            aten = ", ".join(event.get("aten", []))
+            message = (f"{event['op']} forced the host to wait for the device"
+                       + (f" ({aten})" if aten else ""))
+        elif kind == "op-failure":
+            message = f"{event['op']} failed: {event['error']}"
+        elif kind == "graph-break":
+            message = f"graph break: {event['key']}"
+        elif kind == "recompilation":
+            message = (f"{event['key']}() recompiled {count} time(s): "
+                       f"{'; '.join(event.get('reasons', [])[:3])}")
+        else:  # run-failure
+            message = event.get("message", event["key"])
+        file, line = event.get("file"), event.get("line")
+        code = linecache.getline(file, line).strip() if file and line else ""
+        findings.append(Finding(category=kind, file=file, line=line,
+                                message=message, replacement=event.get("replacement") or
+                                cat.replacement, severity=cat.severity, on_kiln=cat.on_kiln,
+                                effort=cat.effort, source="runtime", code=code,
+                                count=count, detail=detail))
+    return findings
