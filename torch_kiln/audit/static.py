@@ -263,12 +263,14 @@ class _Scanner(ast.NodeVisitor):
 def _token_fallback(file: str, text: str, lines: list[str]) -> list[Finding]:
     """Lock-ins recognisable from tokens alone, for a file that does not parse."""
     found: list[Finding] = []
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+    tokens = []
     try:
-        tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
-                  if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT,
-                                    tokenize.INDENT, tokenize.DEDENT)]
-    except (tokenize.TokenError, SyntaxError, IndentationError):
-        return found  # a lexing error too: nothing reliable to report
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type not in skip:
+                tokens.append(token)
+    except (tokenize.TokenError, SyntaxError):
+        pass  # keep the tokens before the lexing error (e.g. an unclosed bracket)
 
     def add(category: str, line: int, message: str) -> None:
         found.append(_finding(category, file, line, message, lines[line - 1].strip()

@@ -19,6 +19,16 @@ and:
 On exit it reads Dynamo's graph-break reasons (with the user's line) and
 recompilations (with the compiled function's first line).
 
+Note [The audit under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Dynamo traces an active ``TorchFunctionMode``'s ``__torch_function__`` into
+the graphs it builds. While tracing, the mode only applies the CUDA mapping
+(plain Python Dynamo can trace) and calls the function; the sync and failure
+bookkeeping (which calls into kiln's C++ counters, untraceable) runs only in
+eager code. So compiled regions report the graph breaks and recompilations
+the program has without the audit, and syncs inside compiled code are
+counted in the run's totals (``unattributed_syncs``) but not by line.
+
 "The user's line" is the innermost frame of the call stack whose file is
 under ``root`` and not in ``site-packages``: a sync inside
 ``GradScaler.step`` is reported at the script's ``scaler.step(opt)``.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -42,10 +53,12 @@ from torch_kiln.audit.findings import Finding
 __all__ = ["RunTracer"]
 
 _AUDIT_DIR = os.path.dirname(os.path.realpath(__file__))
-
-
-def _sync_total() -> int:
-    return sum(torch.kiln.get_sync_ops().values())
+# Kiln counts the first run of an op on a new layout as a sync op named
+# "aten::relu (layout check)": once per op and process, kiln's own work, not
+# something the program can change, so it is not a finding (the run's
+# sync_ops totals still show it).
+_KILN_INTERNAL_SYNC = " (layout check)"
+_RESUME = re.compile(r"torch_dynamo_resume_in_(.+)_at_\d+")
 
 
 def _sync_ops() -> dict[str, int]:
@@ -74,6 +87,11 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if tracer.map_cuda:
             func, args, kwargs = tracer._map_call(func, args, kwargs)
+        if torch.compiler.is_compiling():
+            # Dynamo traces this method into the user's graph: give it nothing
+            # it cannot trace, or the audit would add graph breaks of its own.
+            # See Note [The audit under torch.compile].
+            return func(*args, **kwargs)
         before = tracer._sync_ops()
         try:
             result = func(*args, **kwargs)
@@ -119,7 +137,8 @@ class RunTracer:
 
             self._mapping = CudaMapping().__enter__()
             self._map_call = map_call
-        self._kiln_syncs_at_start = _sync_total()
+        self._kiln_syncs_at_start = sum(n for op, n in _sync_ops().items()
+                                        if not op.endswith(_KILN_INTERNAL_SYNC))
         self._mode = _Mode(self)
         self._mode.__enter__()
         return self
@@ -170,6 +189,8 @@ class RunTracer:
     def _record_sync(self, func: Callable, before: dict, after: dict) -> None:
         file, line = self.user_site(sys._getframe(2))
         aten = sorted(op for op, n in after.items() if n != before.get(op, 0))
+        if all(op.endswith(_KILN_INTERNAL_SYNC) for op in aten):
+            return  # kiln's own one-time check, not the program's doing
         self._site("sync", file, line, _op_name(func), op=_op_name(func), aten=aten)
 
     def _record_failure(self, func: Callable, error: BaseException) -> None:
@@ -207,19 +228,29 @@ class RunTracer:
                                "count": 1, "reason": text[:1000]}
         from torch_kiln.compiler.metrics import _FIRST_COMPILE
 
+        # Dynamo compiles the code after a graph break as a function of its own,
+        # torch_dynamo_resume_in_<name>_at_<line>; its recompilations are
+        # reported with the function it resumes (same file, same name).
+        functions = {(c.co_filename, c.co_name): c for c in utils.guard_failures
+                     if hasattr(c, "co_name")}
+        recompiled: dict[object, list[str]] = {}
         for code, failures in list(utils.guard_failures.items()):
             reasons = [_FIRST_COMPILE.sub("", str(f), count=1) for f in failures
                        if _FIRST_COMPILE.match(str(f))]
             if not reasons:
                 continue
+            resumed = _RESUME.fullmatch(getattr(code, "co_name", ""))
+            owner = functions.get((code.co_filename, resumed.group(1))) if resumed else None
+            recompiled.setdefault(owner or code, []).extend(reasons)
+        for code, reasons in recompiled.items():
             filename = getattr(code, "co_filename", "")
             user = self._is_user_file(filename)
             file = os.path.realpath(filename) if user else None
             line = getattr(code, "co_firstlineno", None) if user else None
-            events[("recompilation", file, line, getattr(code, "co_name", "?"))] = {
-                "kind": "recompilation", "file": file, "line": line,
-                "key": getattr(code, "co_name", "?"), "count": len(reasons),
-                "reasons": reasons[:10]}
+            name = getattr(code, "co_name", "?")
+            events[("recompilation", file, line, name)] = {
+                "kind": "recompilation", "file": file, "line": line, "key": name,
+                "count": len(reasons), "reasons": reasons[:10]}
         return list(events.values())
 
     def events(self) -> list[dict]:
@@ -228,10 +259,11 @@ class RunTracer:
 
     def unattributed_syncs(self) -> int:
         """Sync ops kiln counted during the run that no traced call caused
-        (e.g. inside compiled code or at exit)."""
+        (e.g. inside compiled code or at exit), layout checks excluded."""
         # A traced call counts once even if it synchronized twice: a lower bound.
         traced = sum(s["count"] for s in self._sites.values() if s["kind"] == "sync")
-        return max(0, _sync_total() - self._kiln_syncs_at_start - traced)
+        total = sum(n for op, n in _sync_ops().items() if not op.endswith(_KILN_INTERNAL_SYNC))
+        return max(0, total - self._kiln_syncs_at_start - traced)
 
 
 def events_to_findings(events: list[dict]) -> list[Finding]:
@@ -253,7 +285,7 @@ def events_to_findings(events: list[dict]) -> list[Finding]:
         elif kind == "graph-break":
             message = f"graph break: {event['key']}"
         elif kind == "recompilation":
-            message = (f"{event['key']}() recompiled {count} time(s): "
+            message = (f"{event['key']}() recompiled ({count} guard failure(s)): "
                        f"{'; '.join(event.get('reasons', [])[:3])}")
         else:  # run-failure
             message = event.get("message", event["key"])
