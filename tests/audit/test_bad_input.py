@@ -1,0 +1,109 @@
+"""Bad input for the audit command: a missing script, one that raises or
+exits non-zero, one that runs forever (--timeout), one that does not parse;
+and the JSON document's shape."""
+
+import os
+import textwrap
+
+from audit_helpers import found, run_audit, run_audit_json
+
+
+def write(tmp_path, name, code):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return os.path.realpath(path)
+
+
+def test_missing_script_is_a_clear_error_with_status_2(tmp_path):
+    missing = str(tmp_path / "nope.py")
+    result = run_audit(missing)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"kiln-audit: error: cannot audit {missing!r}: no such file; "
+                                     "expected a Python script (python -m torch_kiln.audit "
+                                     "[options] script.py [args])")
+
+
+def test_bad_timeout_is_a_usage_error(tmp_path):
+    result = run_audit("--timeout", "-1", "x.py")
+    assert result.returncode == 2 and "expected seconds (a number > 0); got '-1'" in result.stderr
+
+
+def test_script_that_raises_reports_and_keeps_its_status(tmp_path):
+    script = write(tmp_path, "raises.py", """\
+        import torch
+        x = torch.ones(2, device="cuda")
+        print("before")
+        raise ValueError("boom")
+        """)
+    result, report = run_audit_json(tmp_path, "--map-cuda", script, "--flag")
+    assert result.returncode == 1
+    assert result.stdout == "before\n"
+    assert found(report["findings"]) == {(script, 2, "device-string"), (script, 4, "run-failure")}
+    (failure,) = [f for f in report["findings"] if f["category"] == "run-failure"]
+    assert failure["message"] == "the script raised ValueError: boom"
+    assert report["argv"] == ["--flag"]
+
+
+def test_exit_status_of_sys_exit_is_kept(tmp_path):
+    script = write(tmp_path, "exits.py", "import sys\nprint(sys.argv[1:])\nsys.exit(3)\n")
+    result, report = run_audit_json(tmp_path, script, "a", "b")
+    assert result.returncode == 3 and result.stdout == "['a', 'b']\n"
+    assert [f["message"] for f in report["findings"]] == ["the script exited with status 3"]
+
+
+def test_script_that_runs_forever_is_ended_and_still_reports(tmp_path):
+    script = write(tmp_path, "forever.py", """\
+        import torch
+        x = torch.ones(3, device="kiln")
+        while True:
+            x.sum().item()
+        """)
+    result, report = run_audit_json(tmp_path, "--timeout", "2", script)
+    assert result.returncode == 124
+    assert report["run"]["timed_out"] and report["run"]["complete"] is False
+    assert found(report["findings"]) == {(script, 4, "sync"), (None, None, "run-failure")}
+    (sync,) = [f for f in report["findings"] if f["category"] == "sync"]
+    assert sync["count"] > 10  # written by the child on SIGTERM, so counts are exact
+    assert "timed out after 2.0 s" in result.stderr
+
+
+def test_script_that_ignores_sigterm_is_killed(tmp_path):
+    script = write(tmp_path, "stubborn.py", """\
+        import signal, time, torch
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        torch.ones(1, device="kiln").item()
+        while True:
+            time.sleep(0.05)
+        """)
+    result, report = run_audit_json(tmp_path, "--timeout", "1", script)
+    assert result.returncode == 124
+    # Killed with SIGKILL: the site was streamed when first seen.
+    assert (script, 3, "sync") in found(report["findings"])
+
+
+def test_syntax_error_still_reports_static_findings_and_does_not_run(tmp_path):
+    script = write(tmp_path, "broken.py", """\
+        import torch
+        model = torch.nn.Linear(2, 2).cuda()
+        def oops(:
+            pass
+        """)
+    result, report = run_audit_json(tmp_path, script)
+    assert result.returncode == 1
+    assert report["run"] is None and "syntax error" in report["not_run_reason"]
+    assert found(report["findings"]) == {(script, 3, "syntax-error"), (script, 2, "dot-cuda")}
+
+
+def test_json_document_shape(tmp_path):
+    script = write(tmp_path, "small.py", 'import torch\nprint(torch.cuda.is_available())\n')
+    result, report = run_audit_json(tmp_path, "--no-run", script)
+    assert result.returncode == 0
+    assert set(report) == {"schema", "target", "argv", "run", "not_run_reason", "files_scanned",
+                           "summary", "findings"}
+    assert report["schema"] == "kiln-audit/1"
+    (f,) = report["findings"]
+    assert set(f) == {"category", "file", "line", "message", "replacement", "severity",
+                      "on_kiln", "effort", "source", "code", "count", "detail"}
+    assert (f["category"], f["on_kiln"], f["replacement"]) == (
+        "torch-cuda", "silently different", "torch.accelerator.is_available()")
+    assert report["summary"]["by_category"] == {"torch-cuda": 1}

@@ -1,0 +1,96 @@
+"""The audit's run on kiln: --map-cuda runs CUDA-style programs unchanged and
+they give CPU's losses; syncs, graph breaks and recompilations are reported
+at the user's line; the mapping is undone afterwards."""
+
+import subprocess
+import sys
+
+import torch
+
+from audit_helpers import fixture, found, planted, run_audit_json
+
+import torch_kiln.audit as kiln_audit
+from torch_kiln.audit.mapping import CudaMapping
+
+
+def test_cuda_training_loop_runs_unchanged_with_cpu_losses(tmp_path):
+    script = fixture("cuda_train.py")
+    result, report = run_audit_json(tmp_path, "--map-cuda", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpu = subprocess.run([sys.executable, script, "--device", "cpu"], capture_output=True,
+                         text=True, timeout=60)
+    assert cpu.returncode == 0, cpu.stderr
+    # The script's own output passes through unchanged: the same losses, bit for bit.
+    assert result.stdout == cpu.stdout
+    assert result.stdout.count(" loss ") == 8
+    assert report["run"]["exit_status"] == 0 and report["run"]["complete"]
+    assert planted(script) <= found(report["findings"])
+    assert found(report["findings"], "static") == {p for p in planted(script) if p[2] != "sync"}
+    (item,) = [f for f in report["findings"] if f["category"] == "sync"
+               and f["line"] == 45]
+    assert item["count"] == 8 and item["detail"]["aten"] == ["aten::_local_scalar_dense"]
+    # The text report (stderr) is grouped by category, with counts and effort.
+    assert "dot-cuda: .cuda() call (2)" in result.stderr
+    assert "cuda_train.py:45  [medium; slower; needs a decision, 8 times]" in result.stderr
+
+
+def test_without_map_cuda_the_failure_is_the_finding_and_status_is_kept(tmp_path):
+    script = fixture("cuda_train.py")
+    result, report = run_audit_json(tmp_path, script)
+    assert result.returncode == 1
+    failures = [f for f in report["findings"] if f["category"] == "run-failure"]
+    assert [(f["line"], f["message"]) for f in failures] == [
+        (34, "the script raised AssertionError: Torch not compiled with CUDA enabled")]
+    assert "Traceback" in result.stderr  # the script's own traceback, as Python prints it
+
+
+def test_amp_and_grad_scaler_program_runs_with_map_cuda(tmp_path):
+    script = fixture("cuda_amp.py")
+    result, report = run_audit_json(tmp_path, "--map-cuda", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # autocast and the GradScaler are on, on kiln (without the mapping both
+    # would be disabled with a warning: "silently different").
+    assert result.stdout == "device kiln logits torch.float16 scaler enabled True\n"
+    assert planted(script) <= found(report["findings"])
+
+
+def test_compiled_model_graph_break_and_recompilation_at_the_users_lines(tmp_path):
+    script = fixture("compiled_model.py")
+    result, report = run_audit_json(tmp_path, "--map-cuda", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert planted(script) <= found(report["findings"])
+    compile_items = {(f["line"], f["category"]) for f in report["findings"]
+                     if f["category"] in ("graph-break", "recompilation")}
+    # Only the program's own: the audit's TorchFunctionMode adds no breaks.
+    assert compile_items == {(17, "graph-break"), (15, "recompilation")}
+    assert report["run"]["compile"]["graph_break_count"] == 2
+
+
+def test_audit_of_a_callable_in_process():
+    sys.path.insert(0, fixture("."))
+    try:
+        import audited_function
+    finally:
+        sys.path.pop(0)
+    report = kiln_audit.audit(audited_function.train_step, 3, map_cuda=True)
+    assert report.result == 3 * 0.0 + (4 * 4 * 1.5) + (4 * 4 * 1.75) + (4 * 4 * 1.875)
+    expected = planted(fixture("audited_function.py"))
+    assert found(report.findings, "static") == {p for p in expected if p[2] != "sync"}
+    assert expected <= found(report.findings)
+    (sync,) = [f for f in report.findings if f.category == "sync" and f.line == 12]
+    assert sync.count == 3
+    assert torch.cuda.is_available() is False  # the mapping was undone
+
+
+def test_mapping_is_scoped_and_restored():
+    before = (torch.cuda.is_available, torch.cuda.synchronize, torch.nn.Module.cuda,
+              torch.amp.autocast.__init__, torch.cuda.amp.GradScaler)
+    with CudaMapping():
+        assert torch.cuda.is_available() and torch.cuda.device_count() == torch.kiln.device_count()
+        model = torch.nn.Linear(2, 2).cuda()
+        assert model.weight.device.type == "kiln"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("kiln")
+    after = (torch.cuda.is_available, torch.cuda.synchronize, torch.nn.Module.cuda,
+             torch.amp.autocast.__init__, torch.cuda.amp.GradScaler)
+    assert before == after and torch.cuda.is_available() is False
