@@ -58,6 +58,7 @@ _AUDIT_DIR = os.path.dirname(os.path.realpath(__file__))
 # something the program can change, so it is not a finding (the run's
 # sync_ops totals still show it).
 _KILN_INTERNAL_SYNC = " (layout check)"
+_COPY_OPS = {"aten::_copy_from", "aten::copy_", "aten::_to_copy"}
 _RESUME = re.compile(r"torch_dynamo_resume_in_(.+)_at_\d+")
 
 
@@ -291,9 +292,12 @@ def events_to_findings(events: list[dict]) -> list[Finding]:
             message = event.get("message", event["key"])
         file, line = event.get("file"), event.get("line")
         code = linecache.getline(file, line).strip() if file and line else ""
+        replacement = cat.replacement
+        if kind == "sync" and any(op in _COPY_OPS for op in event.get("aten", [])):
+            replacement = ("a blocking copy between host and device: copy once before the loop, "
+                           "or from pinned memory (pin_memory()) with non_blocking=True")
         findings.append(Finding(category=kind, file=file, line=line,
-                                message=message, replacement=event.get("replacement") or
-                                cat.replacement, severity=cat.severity, on_kiln=cat.on_kiln,
+                                message=message, replacement=replacement, severity=cat.severity, on_kiln=cat.on_kiln,
                                 effort=cat.effort, source="runtime", code=code,
                                 count=count, detail=detail))
     return findings
