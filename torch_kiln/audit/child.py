@@ -45,11 +45,25 @@ def _exit_status(code) -> int:
 
 
 def _print_user_traceback(error: BaseException, script: str) -> None:
-    """The traceback Python would print, without the audit's own frames."""
+    """The traceback Python would print: from the script's first frame on,
+    without the audit's own frames (its TorchFunctionMode sits between the
+    program and torch), chained exceptions included."""
+    audit_dir = os.path.dirname(os.path.realpath(__file__))
     tb = error.__traceback__
     while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__)
+    report = traceback.TracebackException(type(error), error, tb or error.__traceback__)
+    seen = set()
+    pending = [report]
+    while pending:
+        exc = pending.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        exc.stack = traceback.StackSummary.from_list(
+            [f for f in exc.stack if not os.path.realpath(f.filename).startswith(audit_dir)])
+        pending += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    sys.stderr.write("".join(report.format()))
 
 
 def main(argv: list[str] | None = None) -> int:
