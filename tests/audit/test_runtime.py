@@ -92,6 +92,21 @@ def test_mapping_is_scoped_and_restored():
         assert model.weight.device.type == "kiln"
         with torch.autocast("cuda", dtype=torch.bfloat16):
             assert torch.is_autocast_enabled("kiln")
+            assert torch.get_autocast_dtype("kiln") == torch.bfloat16
+        with torch.cuda.amp.autocast():  # CUDA's default dtype, float16
+            assert torch.is_autocast_enabled("kiln")
+            assert torch.get_autocast_dtype("kiln") == torch.float16
+        assert torch.cuda.amp.GradScaler().is_enabled()
     after = (torch.cuda.is_available, torch.cuda.synchronize, torch.nn.Module.cuda,
              torch.amp.autocast.__init__, torch.cuda.amp.GradScaler)
     assert before == after and torch.cuda.is_available() is False
+
+
+def test_mapping_is_restored_when_the_body_raises():
+    try:
+        with CudaMapping():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert torch.cuda.is_available() is False
+    assert "cuda" not in vars(torch.nn.Module) or torch.nn.Module.cuda.__name__ == "cuda"

@@ -91,13 +91,14 @@ def map_call(func: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple
     return func, new_args, new_kwargs
 
 
-def _kiln_autocast(*args, **kwargs):
-    kwargs.pop("device_type", None)
-    return torch.amp.autocast("kiln", *args, **kwargs)
+def _kiln_autocast(enabled: bool = True, dtype: torch.dtype = torch.float16,
+                   cache_enabled: bool = True):
+    """torch.cuda.amp.autocast under --map-cuda (same arguments and defaults)."""
+    return torch.amp.autocast("kiln", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
 def _kiln_grad_scaler(*args, **kwargs):
-    kwargs.pop("device", None)
+    """torch.cuda.amp.GradScaler under --map-cuda (same arguments)."""
     return torch.amp.GradScaler("kiln", *args, **kwargs)
 
 
@@ -139,8 +140,11 @@ class CudaMapping(contextlib.AbstractContextManager):
         autocast_init = torch.amp.autocast.__init__
 
         @functools.wraps(autocast_init)
-        def autocast_on_kiln(self_, device_type, *args, **kwargs):
-            autocast_init(self_, "kiln" if device_type == "cuda" else device_type, *args, **kwargs)
+        def autocast_on_kiln(self_, device_type, dtype=None, *args, **kwargs):
+            if device_type == "cuda":
+                # CUDA's autocast defaults to float16; kiln's default may differ.
+                device_type, dtype = "kiln", torch.float16 if dtype is None else dtype
+            autocast_init(self_, device_type, dtype, *args, **kwargs)
 
         self._set(torch.amp.autocast, "__init__", autocast_on_kiln)
 

@@ -33,11 +33,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _end(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
-    """Ends the child's process group: ``first``, then SIGKILL after the grace."""
+def _end(proc: subprocess.Popen, first: int = signal.SIGTERM,
+         grace: float = GRACE_SECONDS) -> None:
+    """Ends the child's process group: ``first``, then SIGKILL after ``grace`` s."""
     _signal_group(proc, first)
     try:
-        proc.wait(GRACE_SECONDS)
+        proc.wait(grace)
     except subprocess.TimeoutExpired:
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
@@ -65,7 +66,8 @@ def _read_events(path: str) -> tuple[list[dict], dict | None]:
 
 
 def run_script(script: str, args: list[str], root: str, map_cuda: bool,
-               timeout: float | None = None) -> dict[str, Any]:
+               timeout: float | None = None,
+               grace: float = GRACE_SECONDS) -> dict[str, Any]:
     """Runs ``script args`` in a child process under the tracer.
 
     Returns ``{"run": {...}, "events": [...], "final": {...} | None}``:
@@ -73,8 +75,9 @@ def run_script(script: str, args: list[str], root: str, map_cuda: bool,
     ``signal``, ``seconds``, ``map_cuda``, and ``complete``: whether the
     child wrote its final results); ``events`` the run-time sites, with
     exact counts if ``complete``, else each site once. ``timeout`` is in
-    seconds (``None``: no limit); after it the child is ended and
-    ``exit_status`` is :data:`TIMEOUT_STATUS`.
+    seconds (``None``: no limit); after it the child's process group is sent
+    SIGTERM, then SIGKILL ``grace`` seconds later, and ``exit_status`` is
+    :data:`TIMEOUT_STATUS`.
     """
     fd, events_path = tempfile.mkstemp(prefix="kiln-audit-", suffix=".jsonl")
     os.close(fd)
@@ -92,11 +95,11 @@ def run_script(script: str, args: list[str], root: str, map_cuda: bool,
             status = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _end(proc)
+            _end(proc, signal.SIGTERM, grace)
             status = proc.returncode
         except KeyboardInterrupt:
             interrupted = True
-            _end(proc, signal.SIGINT)
+            _end(proc, signal.SIGINT, grace)
             status = proc.returncode
         seconds = time.monotonic() - start
         events, final = _read_events(events_path)
