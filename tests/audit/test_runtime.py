@@ -110,3 +110,22 @@ def test_mapping_is_restored_when_the_body_raises():
         pass
     assert torch.cuda.is_available() is False
     assert "cuda" not in vars(torch.nn.Module) or torch.nn.Module.cuda.__name__ == "cuda"
+
+
+def test_an_operator_that_fails_on_kiln_is_reported_at_its_line(tmp_path):
+    script = tmp_path / "quantized.py"
+    script.write_text(
+        "import torch\n"
+        "x = torch.ones(2, device='kiln')\n"
+        "try:\n"
+        "    torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)\n"
+        "except NotImplementedError:\n"
+        "    print('caught')\n")
+    result, report = run_audit_json(tmp_path, str(script))
+    assert result.returncode == 0 and result.stdout == "caught\n"
+    (failure,) = report["findings"]
+    assert (failure["category"], failure["line"], failure["detail"]["op"]) == (
+        "op-failure", 4, "torch.quantize_per_tensor")
+    assert failure["detail"]["error"].startswith("NotImplementedError: Kiln does not support "
+                                                 "quantized tensors")
+    assert "1 finding: 1 needs a decision" in result.stderr

@@ -65,7 +65,8 @@ _CATEGORY_LIST = [
     Category("sync", "device synchronization", "medium", "slower", "needs a decision",
              "keep the value on the device (accumulate a tensor, read it once per log interval)"),
     Category("op-failure", "operator failed on kiln", "high", "fails", "needs a decision",
-             "report it to Kiln (an operator CUDA has and kiln lacks is a kiln bug)"),
+             "follow the error's advice; an operator CUDA runs and kiln does not is a kiln "
+             "gap: report it"),
     Category("graph-break", "torch.compile graph break", "medium", "slower", "needs a decision",
              "move the breaking line out of the compiled region, or make it traceable"),
     Category("recompilation", "torch.compile recompilation", "low", "slower", "needs a decision",

@@ -52,10 +52,10 @@ def format_text(report: Report) -> str:
         out.append("No findings: nothing in this program ties it to CUDA.")
         return "\n".join(out) + "\n"
     effort = summary["by_effort"]
-    words = {"mechanical": "mechanical", "needs a decision": "need a decision",
-             "needs a kernel rewrite": "need a kernel rewrite"}
+    plural = {"mechanical": "mechanical", "needs a decision": "need a decision",
+              "needs a kernel rewrite": "need a kernel rewrite"}
     out.append(f"{_plural(summary['findings'], 'finding')}: " + ", ".join(
-        f"{effort[e]} {words[e]}" for e in EFFORTS if e in effort))
+        f"{effort[e]} {e if effort[e] == 1 else plural[e]}" for e in EFFORTS if e in effort))
     on_kiln = summary["by_on_kiln"]
     out.append("  on kiln today: " + ", ".join(f"{on_kiln[o]} {o}" for o in ON_KILN
                                                if o in on_kiln))

@@ -73,6 +73,8 @@ def _op_name(func: Callable) -> str:
     module = getattr(func, "__module__", None)
     if name.startswith("TensorBase."):
         name = "Tensor." + name[len("TensorBase."):]
+    elif name.startswith("_VariableFunctionsClass."):  # torch.add and friends
+        name = "torch." + name[len("_VariableFunctionsClass."):]
     elif module and module.startswith("torch") and "." not in name:
         name = f"{module}.{name}" if module != "torch._C._VariableFunctions" else f"torch.{name}"
     return name
