@@ -29,7 +29,9 @@ def _run_line(report: Report) -> str:
         return "not run" + (f" ({report.not_run_reason})" if getattr(report, "not_run_reason", "")
                             else "")
     mode = "with --map-cuda" if run.get("map_cuda") else "as written (no --map-cuda)"
-    if run.get("timed_out"):
+    if run.get("interrupted"):
+        outcome = "interrupted (Ctrl-C), ended"
+    elif run.get("timed_out"):
         outcome = f"timed out after {run.get('timeout')} s, ended"
     elif run.get("signal"):
         outcome = f"killed by {run['signal']}"
