@@ -103,7 +103,8 @@ def test_syntax_error_still_reports_static_findings_and_does_not_run(tmp_path):
 def test_json_document_shape(tmp_path):
     script = write(tmp_path, "small.py", 'import torch\nprint(torch.cuda.is_available())\n')
     result, report = run_audit_json(tmp_path, "--no-run", "--output", str(tmp_path / "r.txt"),
-                                    script)
+                                    "--html", str(tmp_path / "r.html"), script)
+    assert "torch.accelerator.is_available()" in (tmp_path / "r.html").read_text()
     assert result.returncode == 0 and result.stdout == "" and result.stderr == ""
     text = (tmp_path / "r.txt").read_text()
     assert "torch-cuda: torch.cuda API (1)" in text and "not run (--no-run)" in text

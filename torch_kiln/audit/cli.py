@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from torch_kiln.audit.api import AuditError, audit_script
-from torch_kiln.audit.report import format_text, write_json
+from torch_kiln.audit.report import format_text, write_html, write_json
 
 __all__ = ["main", "USAGE_ERROR"]
 
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "comes out")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the report as JSON (schema: docs/audit.md); - for stdout")
+    parser.add_argument("--html", metavar="PATH",
+                        help="also write a one-page HTML report to PATH")
     parser.add_argument("--output", metavar="PATH",
                         help="write the text report to PATH instead of stderr")
     parser.add_argument("--no-run", action="store_true",
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("\n" + text)
     if opts.json:
         write_json(report, opts.json)
+    if opts.html:
+        write_html(report, opts.html)
     if report.run is None:
         return 1 if report.not_run_reason and not opts.no_run else 0
     status = report.run.get("exit_status")

@@ -1,5 +1,6 @@
 """Report writers: the text report (grouped by category, with counts and
-each item's effort) and the JSON document (schema in docs/audit.md)."""
+each item's effort), the JSON document (schema in docs/audit.md) and a
+one-page HTML report."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from torch_kiln.audit import catalog
 from torch_kiln.audit.findings import EFFORTS, ON_KILN, Report
 
-__all__ = ["format_text", "write_json"]
+__all__ = ["format_text", "write_json", "format_html", "write_html"]
 
 
 def _display(path: str | None) -> str:
@@ -86,3 +87,63 @@ def write_json(report: Report, path: str) -> None:
         return
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+_CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: .6em 0; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } code, pre { font: 13px ui-monospace, monospace; }
+.fails { color: #a00; } .silently { color: #a60; } .slower { color: #666; } .works { color: #070; }
+"""
+
+
+def format_html(report: Report) -> str:
+    """The report as one self-contained HTML page (no scripts, no external
+    files): the run, the totals, then each category's items in a table."""
+    from html import escape
+
+    summary = report.summary()
+    rows = [f"<h1>Kiln lock-in audit of <code>{escape(_display(report.target))}</code></h1>",
+            f"<p>{escape(_run_line(report))}</p>"]
+    if report.files_scanned:
+        rows.append("<p>Files read: " + ", ".join(
+            f"<code>{escape(_display(f))}</code>" for f in report.files_scanned) + "</p>")
+    if not report.findings:
+        rows.append("<p>No findings: nothing in this program ties it to CUDA.</p>")
+    else:
+        rows.append("<table><tr><th>category</th><th>items</th>" + "".join(
+            f"<th>{escape(e)}</th>" for e in EFFORTS) + "</tr>")
+        for name, findings in report.by_category().items():
+            efforts = [sum(f.effort == e for f in findings) for e in EFFORTS]
+            rows.append(f"<tr><td><a href='#{escape(name)}'>{escape(name)}</a></td>"
+                        f"<td>{len(findings)}</td>" + "".join(
+                            f"<td>{n or ''}</td>" for n in efforts) + "</tr>")
+        rows.append(f"<tr><th>total</th><th>{summary['findings']}</th>" + "".join(
+            f"<th>{summary['by_effort'].get(e, '')}</th>" for e in EFFORTS) + "</tr></table>")
+        for name, findings in report.by_category().items():
+            title = catalog.CATEGORIES[name].title if name in catalog.CATEGORIES else name
+            rows.append(f"<h2 id='{escape(name)}'>{escape(name)}: {escape(title)} "
+                        f"({len(findings)})</h2>")
+            rows.append("<table><tr><th>where</th><th>severity</th><th>on kiln</th>"
+                        "<th>effort</th><th>count</th><th>what</th><th>fix</th></tr>")
+            for f in findings:
+                where = _display(f.file) + (f":{f.line}" if f.line is not None else "")
+                code = f"<br><code>{escape(f.code)}</code>" if f.code else ""
+                rows.append(
+                    f"<tr><td><code>{escape(where)}</code></td><td>{escape(f.severity)}</td>"
+                    f"<td class='{escape(f.on_kiln.split()[0])}'>{escape(f.on_kiln)}</td>"
+                    f"<td>{escape(f.effort)}</td><td>{f.count}</td>"
+                    f"<td>{escape(f.message)}{code}</td><td>{escape(f.replacement)}</td></tr>")
+            rows.append("</table>")
+    body = "\n".join(rows)
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>Kiln lock-in audit: {escape(os.path.basename(report.target))}</title>"
+            f"<style>{_CSS}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def write_html(report: Report, path: str) -> None:
+    """Writes :func:`format_html` to ``path``."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(format_html(report))
