@@ -3,7 +3,7 @@ and get the inventory of what ties it to CUDA, with the portable fixes.
 
 From the shell::
 
-    python -m torch_kiln.audit [--map-cuda] [--timeout S] [--json PATH] script.py [args]
+    python -m torch_kiln.audit [--map-cuda] [--timeout S] [--json PATH] [--html PATH] script.py [args]
     kiln-audit ...                                  # the same, as a console script
 
 From Python::
@@ -17,7 +17,7 @@ From Python::
 The package: :mod:`.findings` (the data model), :mod:`.catalog` (categories
 and known CUDA APIs), :mod:`.static` (the ``ast`` reader), :mod:`.mapping`
 (``--map-cuda``), :mod:`.tracer` (run-time recording), :mod:`.runner` and
-:mod:`.child` (the script's own process), :mod:`.report` (text and JSON),
+:mod:`.child` (the script's own process), :mod:`.report` (text, JSON, HTML),
 :mod:`.cli`. The JSON schema and a worked example: docs/audit.md.
 """
 
