@@ -21,6 +21,7 @@ with SIGKILL still reports where it synchronized or failed), and a last line
 kiln's sync-op totals and the compile metrics. On SIGTERM (the parent's
 timeout) the child writes that final line, marked ``"terminated": true``,
 and exits with status 143 at once, without running the script's cleanup.
+Processes the script forks inherit the tracer but write nothing.
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     script = os.path.realpath(opts.script)
 
     events = open(opts.events, "a", buffering=1, encoding="utf-8")
+    pid = os.getpid()
 
     def emit(event: dict) -> None:
+        if os.getpid() != pid:
+            return  # a process the script forked (DataLoader workers): not the run's results
         events.write(json.dumps(event, default=str) + "\n")
         events.flush()
 
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
               "sync_ops": torch.kiln.get_sync_ops(), "compile": get_metrics(), **extra})
 
     def on_sigterm(signum, frame) -> None:
+        if os.getpid() != pid:  # a forked process of the script: die as it would have
+            os._exit(128 + signal.SIGTERM)
         try:
             final(None, terminated=True)
             sys.stdout.flush()
