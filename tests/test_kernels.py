@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from examples.kernels import bias_gelu as bg  # noqa: E402
+from examples.kernels import rms_norm as rn  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -33,9 +34,9 @@ def kernel_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("kiln-kernels")
     old = os.environ.get("KILN_KERNELS_CACHE_DIR")
     os.environ["KILN_KERNELS_CACHE_DIR"] = str(path)
-    bg._library = None
+    bg._library = rn._library = None
     yield path
-    bg._library = None
+    bg._library = rn._library = None
     if old is None:
         os.environ.pop("KILN_KERNELS_CACHE_DIR", None)
     else:
@@ -105,6 +106,54 @@ def test_opcheck_kiln_and_cpu():
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
     torch.library.opcheck(bg.bias_gelu, inputs("cpu", requires_grad=True))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+def test_rms_norm_forward_and_backward_match_pytorch(device):
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(48, 100, generator=g), torch.randn(100, generator=g)
+    xd = x.clone().to(device).requires_grad_()
+    wd = weight.clone().to(device).requires_grad_()
+    out = rn.rms_norm(xd, wd, 1e-6)
+    assert out.device == torch.device(device)
+    out.backward(out.detach().cos())
+    xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = torch.nn.functional.rms_norm(xr, (100,), wr, 1e-6)
+    ref.backward(ref.detach().cos())
+    close(out, ref)
+    close(xd.grad, xr.grad)
+    close(wd.grad, wr.grad)
+
+
+def test_rms_norm_opcheck_and_module():
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(16, 40, generator=g), torch.randn(40, generator=g)
+    torch.library.opcheck(rn.rms_norm, (x.to("kiln").requires_grad_(),
+                                        weight.to("kiln").requires_grad_(), 1e-5),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(rn.rms_norm, (x.clone().requires_grad_(),
+                                        weight.clone().requires_grad_(), 1e-5))
+    fused, stock = rn.RMSNorm(40, eps=1e-5).to("kiln"), torch.nn.RMSNorm(40, eps=1e-5).to("kiln")
+    for model in (fused, stock):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x.to("kiln")).pow(3).mean().backward()
+            opt.step()
+    close(fused.weight, stock.weight)
+
+
+def test_rms_norm_compiled_fullgraph():
+    torch._dynamo.reset()
+    model = rn.RMSNorm(32).to("kiln")
+
+    def step(x):
+        return model(x * 2).relu()
+
+    x = torch.randn(8, 32, device="kiln")
+    close(torch.compile(step, fullgraph=True)(x), step(x))
+    torch._dynamo.reset()
 
 
 def test_call_returns_at_once_and_runs_in_stream_order(scale_lib):
