@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from examples.kernels import bias_gelu as bg  # noqa: E402
+from examples.kernels import adamw  # noqa: E402
 from examples.kernels import rms_norm as rn  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -34,9 +35,9 @@ def kernel_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("kiln-kernels")
     old = os.environ.get("KILN_KERNELS_CACHE_DIR")
     os.environ["KILN_KERNELS_CACHE_DIR"] = str(path)
-    bg._library = rn._library = None
+    bg._library = rn._library = adamw._library = None
     yield path
-    bg._library = rn._library = None
+    bg._library = rn._library = adamw._library = None
     if old is None:
         os.environ.pop("KILN_KERNELS_CACHE_DIR", None)
     else:
@@ -154,6 +155,55 @@ def test_rms_norm_compiled_fullgraph():
     x = torch.randn(8, 32, device="kiln")
     close(torch.compile(step, fullgraph=True)(x), step(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+def test_fused_adamw_trains_like_adamw(device):
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    x, y = torch.randn(16, 37), torch.randn(16, 5)
+    fused, stock = copy.deepcopy(model).to(device), copy.deepcopy(model).to(device)
+    optimizers = [(fused, adamw.FusedAdamW(fused.parameters(), lr=1e-2, weight_decay=0.1)),
+                  (stock, torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.1,
+                                            foreach=False))]
+    for _ in range(10):
+        for m, opt in optimizers:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x.to(device)), y.to(device)).backward()
+            opt.step()
+    for p, q in zip(fused.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_adamw_opcheck_compile_and_errors():
+    def args(device):
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(300, generator=g).to(device), torch.randn(300, generator=g).to(device),
+                torch.zeros(300, device=device), torch.zeros(300, device=device),
+                1e-3, 0.9, 0.999, 1e-8, 0.01, 1]
+
+    torch.library.opcheck(adamw.adamw_step_, args("kiln"),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(adamw.adamw_step_, args("cpu"))
+    # Under torch.compile(fullgraph=True) the in-place op is one node and
+    # its mutations reach the caller's tensors.
+    torch._dynamo.reset()
+    eager, compiled = args("kiln"), args("kiln")
+    adamw.adamw_step_(*eager)
+    torch.compile(lambda *a: adamw.adamw_step_(*a), fullgraph=True)(*compiled)
+    for e, c in zip(eager[:4], compiled[:4]):
+        close(c, e)
+    torch._dynamo.reset()
+    bad = args("kiln")
+    bad[2] = torch.zeros(600, device="kiln")[::2]
+    with pytest.raises(RuntimeError, match="exp_avg must be contiguous"):
+        adamw.adamw_step_(*bad)
+    bad = args("kiln")
+    bad[1] = torch.zeros(299, device="kiln")
+    with pytest.raises(RuntimeError, match=r"grad has shape \(299,\), param \(300,\)"):
+        adamw.adamw_step_(*bad)
 
 
 def test_call_returns_at_once_and_runs_in_stream_order(scale_lib):
