@@ -411,3 +411,11 @@ def test_changed_source_rebuilds(kernel_cache):
     second = kernels.load_inline("test_rebuild_ext", SCALE + "\n// changed\n", SCALE_SIGNATURES)
     assert first.path != second.path
     assert kernels.load_inline("test_rebuild_ext", SCALE, SCALE_SIGNATURES).path == first.path
+
+
+def test_unwritable_cache_directory_names_the_variable(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("KILN_KERNELS_CACHE_DIR", str(blocked / "cache"))
+    with pytest.raises(OSError, match="set KILN_KERNELS_CACHE_DIR to a writable directory"):
+        kernels.load_inline("test_nocache_ext", SCALE, SCALE_SIGNATURES)

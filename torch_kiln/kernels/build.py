@@ -53,7 +53,13 @@ class KernelCompileError(RuntimeError):
 def cache_dir() -> Path:
     configured = os.environ.get("KILN_KERNELS_CACHE_DIR")
     path = Path(configured) if configured else Path.home() / ".cache" / "torch_kiln" / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as error:
+        raise OSError(f"kiln kernels: cannot use the kernel cache directory {str(path)!r} "
+                      f"({error}); set KILN_KERNELS_CACHE_DIR to a writable directory") from None
     return path
 
 
