@@ -419,3 +419,49 @@ def test_unwritable_cache_directory_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_KERNELS_CACHE_DIR", str(blocked / "cache"))
     with pytest.raises(OSError, match="set KILN_KERNELS_CACHE_DIR to a writable directory"):
         kernels.load_inline("test_nocache_ext", SCALE, SCALE_SIGNATURES)
+
+
+def test_namespace_registers_each_kernel_as_an_operator():
+    lib = kernels.load_inline("test_ns_ext", SCALE, SCALE_SIGNATURES, namespace="kiln_test_ns")
+    assert str(torch.ops.kiln_test_ns.scale.default._schema) == \
+        "kiln_test_ns::scale(Tensor(a!) out, Tensor x, float alpha) -> ()"
+    x = torch.randn(64, device="kiln:1")
+    out = torch.empty_like(x)
+    torch.ops.kiln_test_ns.scale(out, x, 4.0)
+    close(out, x.cpu() * 4)
+    # One mutating node under torch.compile; the caller sees the mutation.
+    torch._dynamo.reset()
+    out2 = torch.zeros_like(x)
+
+    def fn(o, t):
+        torch.ops.kiln_test_ns.scale(o, t * 2, 0.5)
+        return o + 1
+
+    result = torch.compile(fn, fullgraph=True)(out2, x)
+    close(out2, x.cpu())
+    close(result, x.cpu() + 1)
+    torch._dynamo.reset()
+    # The checks of the call still apply through the operator.
+    with pytest.raises(TypeError, match="argument 'x' has dtype float64, expected float32"):
+        torch.ops.kiln_test_ns.scale(out, x.double(), 1.0)
+    with pytest.raises(RuntimeError, match="operator kiln_test_ns::scale .*exists already"):
+        kernels.load_inline("test_ns_ext", SCALE, SCALE_SIGNATURES, namespace="kiln_test_ns")
+    assert lib.namespace == "kiln_test_ns"
+
+
+def test_kernel_reads_its_device_and_stream():
+    lib = kernels.load_inline("test_stream_id_ext", r"""
+        #include <kiln/kernel.h>
+        KILN_KERNEL(where) {
+          auto out = ctx.tensor<int64_t, 1>(0);
+          out(0) = ctx.device();
+          out(1) = ctx.stream_id();
+        }
+    """, ["where(int64[*]! out)"])
+    out = torch.zeros(2, dtype=torch.int64, device="kiln:1")
+    side = torch.kiln.Stream(device="kiln:1")
+    side.wait_stream(torch.kiln.current_stream("kiln:1"))
+    with torch.kiln.stream(side):
+        lib.where(out)
+    side.synchronize()
+    assert out.tolist() == [1, side.stream_id]

@@ -44,8 +44,10 @@ class Kernel:
             raise TypeError(f"kiln kernel {self.qualified_name} takes {len(arguments)} arguments "
                             f"({self.signature}), got {len(args)}")
         device = self._device_of(args)
-        letters = ["i", "i", "i"]
-        values: list[object] = [device.index, ctypes.addressof(self._name_buffer), len(args)]
+        letters = ["i", "i", "i", "i"]
+        stream_id = torch.kiln.current_stream(device).stream_id
+        values: list[object] = [device.index, stream_id, ctypes.addressof(self._name_buffer),
+                                len(args)]
         for argument, value in zip(arguments, args):
             if argument.kind == "tensor":
                 self._check_tensor(argument, value, device)

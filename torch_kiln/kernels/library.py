@@ -10,11 +10,30 @@ from torch_kiln.kernels.launch import Kernel
 from torch_kiln.kernels.signature import parse
 
 
+def operator_schema(signature) -> str:
+    """The torch.library schema of a kernel: its arguments in order, written
+    tensors as mutated (``Tensor(a!)``), no returns (outputs are passed in),
+    e.g. ``scale(Tensor(a!) out, Tensor x, float alpha) -> ()``."""
+    parts, aliases = [], iter("abcdefghijklmnopqrstuvwxyz")
+    for argument in signature.arguments:
+        if argument.kind == "tensor":
+            parts.append(f"Tensor({next(aliases)}!) {argument.name}" if argument.written
+                         else f"Tensor {argument.name}")
+        else:
+            parts.append(f"{argument.kind} {argument.name}")
+    return f"{signature.name}({', '.join(parts)}) -> ()"
+
+
 class KernelLibrary:
     """The kernels of one loaded library, as attributes named like their
-    KILN_KERNEL functions (``library.scale(out, x, 2.0)``)."""
+    KILN_KERNEL functions (``library.scale(out, x, 2.0)``). With a
+    ``namespace``, each kernel is also the PyTorch operator
+    ``torch.ops.<namespace>.<kernel>`` (schema: ``operator_schema``), with a
+    kiln implementation (the kernel) and a fake one (it returns nothing and
+    mutates its written tensors in place), so it works in eager code and as
+    one node under torch.compile."""
 
-    def __init__(self, name: str, path, signatures: Sequence[str]):
+    def __init__(self, name: str, path, signatures: Sequence[str], namespace: str | None = None):
         self.name = name
         self.path = str(path)
         self._handle = ctypes.CDLL(self.path)  # kept for the life of the library
@@ -33,6 +52,30 @@ class KernelLibrary:
                     f"the sources define no KILN_KERNEL({signature.name})") from None
             address = ctypes.cast(entry, ctypes.c_void_p).value
             self.kernels[signature.name] = Kernel(name, signature, address)
+        self.namespace = namespace
+        self._torch_library = None
+        if namespace is not None:
+            self._register_operators(namespace)
+
+    def _register_operators(self, namespace: str) -> None:
+        import torch
+
+        if not isinstance(namespace, str) or not namespace.isidentifier():
+            raise ValueError(f"kiln kernel library {self.name!r}: namespace must be an "
+                             f"identifier, got {namespace!r}")
+        library = torch.library.Library(namespace, "FRAGMENT")
+        for kernel_name, kernel in self.kernels.items():
+            try:
+                library.define(operator_schema(kernel.signature))
+            except RuntimeError as error:
+                raise RuntimeError(f"kiln kernel library {self.name!r}: cannot register "
+                                   f"operator {namespace}::{kernel_name} ({error}); an operator "
+                                   "of that name exists already (another library, or the same "
+                                   "one loaded twice with this namespace)") from None
+            library.impl(kernel_name, kernel, "PrivateUse1")
+            torch.library.register_fake(f"{namespace}::{kernel_name}",
+                                        lambda *args, **kwargs: None, lib=library)
+        self._torch_library = library  # the registrations live as long as this object
 
     def __getattr__(self, attr: str) -> Kernel:
         kernels = self.__dict__.get("kernels", {})
@@ -55,13 +98,15 @@ def _signatures(functions) -> list[str]:
     return functions
 
 
-def load_inline(name: str, cpp_sources, functions, *, extra_cflags: Sequence[str] = (),
-                verbose: bool = False) -> KernelLibrary:
+def load_inline(name: str, cpp_sources, functions, *, namespace: str | None = None,
+                extra_cflags: Sequence[str] = (), verbose: bool = False) -> KernelLibrary:
     """Compiles ``cpp_sources`` (a string or a list of strings, C++ that
     includes ``<kiln/kernel.h>``) into library ``name`` (cached on disk) and
     returns its kernels. ``functions``: one signature per KILN_KERNEL to
     expose (torch_kiln/kernels/signature.py), e.g.
-    ``"scale(float32[*]! out, float32[*] x, float alpha)"``.
+    ``"scale(float32[*]! out, float32[*] x, float alpha)"``. ``namespace``:
+    also register each kernel as operator ``torch.ops.<namespace>.<kernel>``
+    (KernelLibrary).
 
     Raises KernelCompileError with the compiler's message if the sources do
     not compile, ValueError for a bad signature, AttributeError for a
@@ -72,11 +117,11 @@ def load_inline(name: str, cpp_sources, functions, *, extra_cflags: Sequence[str
     signatures = _signatures(functions)
     path = build.build_library(name, inline_sources=sources, extra_cflags=list(extra_cflags),
                                verbose=verbose)
-    return KernelLibrary(name, path, signatures)
+    return KernelLibrary(name, path, signatures, namespace)
 
 
-def load(name: str, sources, functions, *, extra_cflags: Sequence[str] = (),
-         verbose: bool = False) -> KernelLibrary:
+def load(name: str, sources, functions, *, namespace: str | None = None,
+         extra_cflags: Sequence[str] = (), verbose: bool = False) -> KernelLibrary:
     """As load_inline, from C++ files (``sources``: paths); compiler messages
     name the files and lines."""
     files = [sources] if isinstance(sources, str) else list(sources)
@@ -85,4 +130,4 @@ def load(name: str, sources, functions, *, extra_cflags: Sequence[str] = (),
     signatures = _signatures(functions)
     path = build.build_library(name, source_files=files, extra_cflags=list(extra_cflags),
                                verbose=verbose)
-    return KernelLibrary(name, path, signatures)
+    return KernelLibrary(name, path, signatures, namespace)

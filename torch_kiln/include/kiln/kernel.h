@@ -219,7 +219,8 @@ class TensorView {
 };
 
 // Launch ABI: one int64 slot per value, written by torch_kiln/kernels/
-// launch.py. Slots: device, kernel-name pointer, argument count; then per
+// launch.py. Slots: device, stream id (torch.kiln.Stream.stream_id of the
+// stream the kernel runs on), kernel-name pointer, argument count; then per
 // argument a kind (0 tensor, 1 float, 2 int) and its value: for a tensor,
 // data pointer, dtype code, written flag, rank, sizes, strides; for a float
 // the bits of a double; for an int the int.
@@ -227,11 +228,12 @@ class KernelContext {
  public:
   explicit KernelContext(const int64_t* packed) : packed_(packed) {
     device_ = static_cast<int>(packed[0]);
-    name_ = reinterpret_cast<const char*>(packed[1]);
-    num_args_ = static_cast<int>(packed[2]);
+    stream_id_ = packed[1];
+    name_ = reinterpret_cast<const char*>(packed[2]);
+    num_args_ = static_cast<int>(packed[3]);
     KILN_KERNEL_CHECK(num_args_ >= 0 && num_args_ <= kMaxArgs, "kiln kernel ", name_,
                       ": bad argument count ", num_args_);
-    int64_t slot = 3;
+    int64_t slot = 4;
     for (int i = 0; i < num_args_; ++i) {
       offsets_[i] = slot;
       const int64_t kind = packed[slot];
@@ -239,7 +241,10 @@ class KernelContext {
     }
   }
 
+  // The kiln device index the kernel runs on (kiln:N).
   int device() const { return device_; }
+  // The stream it runs on, as torch.kiln.Stream.stream_id reports it.
+  int64_t stream_id() const { return stream_id_; }
   const char* name() const { return name_; }
   int num_args() const { return num_args_; }
 
@@ -317,6 +322,7 @@ class KernelContext {
 
   const int64_t* packed_;
   int device_ = 0;
+  int64_t stream_id_ = 0;
   const char* name_ = "";
   int num_args_ = 0;
   int64_t offsets_[kMaxArgs] = {};
