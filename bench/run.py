@@ -45,6 +45,7 @@ import harness  # noqa: E402  (bench/ is on sys.path as the script's directory)
 import micro  # noqa: E402
 import training  # noqa: E402
 import compilation  # noqa: E402
+import kernels  # noqa: E402
 
 GROUPS = {
     "add": micro.add_overhead,
@@ -57,6 +58,7 @@ GROUPS = {
     "memory": training.peak_memory,
     "compile": compilation.throughput,
     "compile-time": compilation.compile_time,
+    "kernels": kernels.throughput,
 }
 
 

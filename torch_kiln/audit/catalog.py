@@ -54,8 +54,9 @@ _CATEGORY_LIST = [
     Category("nvtx", "NVTX range", "medium", "fails", "mechanical",
              'torch.profiler.record_function("name") (a context manager; works on every device)'),
     Category("cuda-extension", "custom CUDA extension", "high", "fails", "needs a kernel rewrite",
-             "a torch.library custom op with a kernel per device (C++ for kiln, or kiln's tile "
-             "language), and the CUDA kernel kept for CUDA"),
+             "a torch.library custom op with a kernel per device: for kiln a C++ kernel "
+             "built with torch_kiln.kernels.load_inline and registered with "
+             "torch_kiln.kernels.custom_op (docs/kernels.md); keep the CUDA kernel for CUDA"),
     Category("triton-kernel", "Triton kernel", "high", "fails", "needs a kernel rewrite",
              "the same computation in PyTorch ops (torch.compile generates the kernel), or a "
              "torch.library custom op with a kiln kernel"),

@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "aten/KilnTask.h"
+#include "aten/OpTracking.h"
 #include "core/FailedResults.h"
 #include "core/KilnException.h"
 
@@ -62,7 +63,7 @@ struct GeneratedKernelTask final : TaskBody {
   }
 
   std::string describe() const override {
-    return "a kernel compiled by torch.compile";
+    return call.description;
   }
 
   void skipped() override {
@@ -97,6 +98,9 @@ void launchGeneratedKernel(const c10::kiln::KilnStream& stream, GeneratedKernelC
     }
   }
   const char* name = call.name;
+  if (call.counted_as_op) {
+    recordExecutedOp(name);
+  }
   launchTaskBody(stream, name, std::make_unique<GeneratedKernelTask>(std::move(call)));
 }
 

@@ -1,5 +1,8 @@
 // GeneratedKernels.h — launching kernels that torch.compile generated
-// (Inductor's C++ code for the kiln device) as tasks on kiln streams.
+// (Inductor's C++ code for the kiln device) and custom kernels loaded with
+// torch_kiln.kernels (written against kiln/kernel.h) as tasks on kiln
+// streams. Both are C++ in a shared library that kiln calls through one
+// entry signature.
 //
 // A generated kernel is C++ code compiled into a shared library by Inductor;
 // for kiln each one also gets a trampoline with one signature,
@@ -52,6 +55,11 @@ struct GeneratedKernelCall {
   // Note [Results of failed kernels]. Never dereferenced here.
   std::vector<const void*> read_storages;
   std::vector<const void*> written_storages;
+  // What the kernel is, in error messages; must outlive the task.
+  const char* description = "a kernel compiled by torch.compile";
+  // Count each launch in torch.kiln.get_executed_ops() under `name` (custom
+  // kernels, torch_kiln.kernels; compiled kernels are not ops).
+  bool counted_as_op = false;
 };
 
 // A stable copy of `name` that lives for the rest of the process.

@@ -1,6 +1,8 @@
 // torch_kiln._C._GeneratedKernel: the object the wrapper code torch.compile
 // generates for kiln calls to launch one generated C++ kernel on the current
-// kiln stream (aten/GeneratedKernels.h; Note [Compiled code runs in stream
+// kiln stream, and torch_kiln.kernels' launcher of custom kernels
+// (`description` names what the kernel is in errors; `counted_as_op` counts
+// its launches in torch.kiln.get_executed_ops()) (aten/GeneratedKernels.h; Note [Compiled code runs in stream
 // order] in torch_kiln/compiler/inductor/__init__.py).
 //
 // Arguments are packed here, on the calling thread, from the Python objects
@@ -16,6 +18,7 @@
 #include "python/GeneratedKernelBindings.h"
 
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -32,10 +35,14 @@ namespace {
 
 class GeneratedKernel {
  public:
-  GeneratedKernel(const std::string& name, uintptr_t entry, std::string signature)
+  GeneratedKernel(const std::string& name, uintptr_t entry, std::string signature,
+                  const std::optional<std::string>& description, bool counted_as_op)
       : name_(at::kiln::internKernelName(name)),
         entry_(reinterpret_cast<at::kiln::GeneratedKernelEntry>(entry)),
-        signature_(std::move(signature)) {
+        signature_(std::move(signature)),
+        description_(description ? at::kiln::internKernelName(*description)
+                                 : at::kiln::GeneratedKernelCall{}.description),
+        counted_as_op_(counted_as_op) {
     TORCH_CHECK_VALUE(entry != 0, "kiln: compiled kernel ", name, " has no entry point");
     for (char kind : signature_) {
       TORCH_CHECK_VALUE(kind == 'r' || kind == 'w' || kind == 'i' || kind == 'f',
@@ -52,6 +59,8 @@ class GeneratedKernel {
     at::kiln::GeneratedKernelCall call;
     call.entry = entry_;
     call.name = name_;
+    call.description = description_;
+    call.counted_as_op = counted_as_op_;
     call.packed.reserve(signature_.size());
     std::vector<size_t> host_scalar_slots; // indices into call.packed
     for (size_t i = 0; i < signature_.size(); ++i) {
@@ -129,14 +138,18 @@ class GeneratedKernel {
   const char* name_;
   at::kiln::GeneratedKernelEntry entry_;
   std::string signature_;
+  const char* description_;
+  bool counted_as_op_;
 };
 
 } // namespace
 
 void bindGeneratedKernels(py::module& m) {
   py::class_<GeneratedKernel>(m, "_GeneratedKernel")
-      .def(py::init<const std::string&, uintptr_t, std::string>(), py::arg("name"),
-           py::arg("entry"), py::arg("signature"))
+      .def(py::init<const std::string&, uintptr_t, std::string,
+                    const std::optional<std::string>&, bool>(),
+           py::arg("name"), py::arg("entry"), py::arg("signature"),
+           py::arg("description") = py::none(), py::arg("counted_as_op") = false)
       .def("launch", &GeneratedKernel::call)
       .def_property_readonly("name", &GeneratedKernel::name)
       .def_property_readonly("signature", &GeneratedKernel::signature);

@@ -1,0 +1,1 @@
+"""Custom kiln kernels written with kiln/kernel.h (docs/kernels.md)."""

@@ -1,0 +1,206 @@
+"""A fused bias + GELU kernel for kiln: out = gelu(x + bias), exact (erf)
+GELU as torch.nn.functional.gelu's default, over a (rows, features) input
+and a (features,) bias, float32. Forward and backward are one pass each
+(the eager composite takes an add, a gelu and, backward, a gelu_backward
+and a sum). Registered as operator ``kilnex::bias_gelu`` with a CPU
+implementation (PyTorch's composite), a fake implementation and autograd,
+so it runs eagerly on kiln and CPU and as one node under torch.compile.
+
+Numbers: the kernel computes GELU term for term as PyTorch's CPU kernel
+does, with ATen's SIMD type (at::vec::Vectorized<float>, the erf and exp
+PyTorch uses) on contiguous rows and std::erf / std::exp elsewhere. It
+agrees with the composite within about one float32 ulp, not bit for bit;
+the bias gradient sums rows in order, where PyTorch's sum reduces
+pairwise. Speed, 2048x1024 float32 on the 2-core machine: 0.68-0.77 ms
+fused against 0.83 ms for the composite (add, then gelu).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import torch_kiln.kernels as kernels
+
+SOURCE = r"""
+#include <cmath>
+#include <ATen/cpu/vec/vec.h>
+#include <kiln/kernel.h>
+
+namespace {
+using Vec = at::vec::Vectorized<float>;
+
+// PyTorch's CPU GELU (aten/src/ATen/native/cpu/Activation.cpp, GeluKernelImpl
+// and GeluBackwardKernelImpl, approximate='none'), term for term with the
+// same SIMD erf and exp; measured to agree with x + bias followed by F.gelu
+// within about one float32 ulp (1.2e-6 on values up to 5), not bit for bit.
+constexpr float kAlpha = M_SQRT1_2;
+constexpr float kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
+
+inline float gelu(float v) { return v * 0.5f * (1.0f + std::erf(v * kAlpha)); }
+inline Vec gelu(Vec v) { return v * Vec(0.5f) * (Vec(1.0f) + (v * Vec(kAlpha)).erf()); }
+inline float gelu_grad(float dy, float v) {
+  const float cdf = 0.5f * (1.0f + std::erf(v * kAlpha));
+  const float pdf = kBeta * std::exp(v * v * -0.5f);
+  return dy * (cdf + v * pdf);
+}
+inline Vec gelu_grad(Vec dy, Vec v) {
+  const Vec cdf = Vec(0.5f) * (Vec(1.0f) + (v * Vec(kAlpha)).erf());
+  const Vec pdf = Vec(kBeta) * (v * v * Vec(-0.5f)).exp();
+  return dy * (cdf + v * pdf);
+}
+} // namespace
+
+// out[r, c] = gelu(x[r, c] + bias[c]). Rows are split over the device's
+// intra-op threads; contiguous rows run Vec::size() columns at a time.
+KILN_KERNEL(bias_gelu_forward) {
+  auto out = ctx.tensor<float, 2>(0);
+  auto x = ctx.tensor<const float, 2>(1);
+  auto bias = ctx.tensor<const float, 1>(2);
+  const int64_t cols = x.size(1);
+  KILN_KERNEL_CHECK(bias.size(0) == cols, "bias has ", bias.size(0), " features, x has ", cols);
+  const bool dense = out.stride(1) == 1 && x.stride(1) == 1 && bias.stride(0) == 1;
+  ctx.parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t c = 0;
+      if (dense) {
+        const float* xr = &x(r, 0);
+        float* yr = &out(r, 0);
+        for (; c + Vec::size() <= cols; c += Vec::size()) {
+          gelu(Vec::loadu(xr + c) + Vec::loadu(bias.data() + c)).store(yr + c);
+        }
+      }
+      for (; c < cols; ++c) out(r, c) = gelu(x(r, c) + bias(c));
+    }
+  });
+}
+
+// grad_x[r, c] = grad[r, c] * gelu'(x[r, c] + bias[c]);
+// grad_bias[c] = sum over r of grad_x[r, c], rows added in order.
+KILN_KERNEL(bias_gelu_backward) {
+  auto grad_x = ctx.tensor<float, 2>(0);
+  auto grad_bias = ctx.tensor<float, 1>(1);
+  auto grad = ctx.tensor<const float, 2>(2);
+  auto x = ctx.tensor<const float, 2>(3);
+  auto bias = ctx.tensor<const float, 1>(4);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const bool dense = grad_x.stride(1) == 1 && grad.stride(1) == 1 && x.stride(1) == 1 &&
+      bias.stride(0) == 1;
+  ctx.parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t c = 0;
+      if (dense) {
+        const float* xr = &x(r, 0);
+        const float* gr = &grad(r, 0);
+        float* out = &grad_x(r, 0);
+        for (; c + Vec::size() <= cols; c += Vec::size()) {
+          const Vec v = Vec::loadu(xr + c) + Vec::loadu(bias.data() + c);
+          gelu_grad(Vec::loadu(gr + c), v).store(out + c);
+        }
+      }
+      for (; c < cols; ++c) grad_x(r, c) = gelu_grad(grad(r, c), x(r, c) + bias(c));
+    }
+  });
+  ctx.parallel_for(0, cols, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float sum = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) sum += grad_x(r, c);
+      grad_bias(c) = sum;
+    }
+  });
+}
+"""
+
+SIGNATURES = [
+    "bias_gelu_forward(float32[*,*]! out, float32[*,*] x, float32[*] bias)",
+    "bias_gelu_backward(float32[*,*]! grad_x, float32[*]! grad_bias, float32[*,*] grad, "
+    "float32[*,*] x, float32[*] bias)",
+]
+
+_library = None
+
+
+def library() -> kernels.KernelLibrary:
+    """The compiled kernels (built on first use, then from the cache)."""
+    global _library
+    if _library is None:
+        _library = kernels.load_inline("bias_gelu_ext", SOURCE, SIGNATURES)
+    return _library
+
+
+def reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """PyTorch's composite: the CPU implementation and the tests' reference."""
+    return F.gelu(x + bias)
+
+
+def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
+    torch._check(x.dim() == 2, lambda: f"kilnex::bias_gelu: x must be 2-D, got {x.dim()}-D")
+    torch._check(bias.dim() == 1 and bias.shape[0] == x.shape[1],
+                 lambda: f"kilnex::bias_gelu: bias must have shape ({x.shape[1]},), got "
+                         f"{tuple(bias.shape)}")
+
+
+def _fake(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    _check(x, bias)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    _check(x, bias)
+    return reference(x, bias).contiguous()
+
+
+@kernels.custom_op("kilnex::bias_gelu", mutates_args=(), cpu=_cpu, fake=_fake)
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu(x + bias) for x of shape (rows, features), bias (features,)."""
+    _check(x, bias)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    library().bias_gelu_forward(out, x, bias)
+    return out
+
+
+@torch.library.custom_op("kilnex::bias_gelu_backward", mutates_args=(), device_types="kiln")
+def _bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor,
+                        bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    grad_bias = torch.empty_like(bias)
+    library().bias_gelu_backward(grad_x, grad_bias, grad, x, bias)
+    return grad_x, grad_bias
+
+
+@_bias_gelu_backward.register_kernel("cpu")
+def _bias_gelu_backward_cpu(grad, x, bias):
+    grad_v = torch.ops.aten.gelu_backward(grad, x + bias)
+    return grad_v.contiguous(), grad_v.sum(0)
+
+
+@_bias_gelu_backward.register_fake
+def _bias_gelu_backward_fake(grad, x, bias):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias = inputs
+    ctx.save_for_backward(x, bias)
+
+
+def _backward(ctx, grad):
+    x, bias = ctx.saved_tensors
+    grad_x, grad_bias = _bias_gelu_backward(grad.contiguous(), x, bias)
+    return grad_x, grad_bias
+
+
+bias_gelu.register_autograd(_backward, setup_context=_setup_context)
+
+
+class BiasGelu(torch.nn.Module):
+    """A linear layer without bias followed by the fused bias + GELU: what
+    Linear + GELU computes, in two kernels instead of three."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, out_features, bias=False)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bias_gelu(self.linear(x), self.bias)

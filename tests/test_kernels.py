@@ -1,0 +1,467 @@
+"""Custom kiln kernels (torch_kiln.kernels, kiln/kernel.h; issue 13 part 1).
+
+The example kernel (examples/kernels/bias_gelu.py) is checked against
+PyTorch's composite (float32 rounding: std::erf per element against ATen's
+vectorized gelu), with torch.library.opcheck, in stream order, on kiln:0
+and kiln:1, on a side stream, under torch.compile(fullgraph=True), and in a
+model; the interface's errors are checked at the call, at compile time and
+inside kernels.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+
+import torch_kiln.kernels as kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from examples.kernels import bias_gelu as bg  # noqa: E402
+from examples.kernels import adamw  # noqa: E402
+from examples.kernels import rms_norm as rn  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """A private kernel cache for the module (and child processes)."""
+    path = tmp_path_factory.mktemp("kiln-kernels")
+    old = os.environ.get("KILN_KERNELS_CACHE_DIR")
+    os.environ["KILN_KERNELS_CACHE_DIR"] = str(path)
+    bg._library = rn._library = adamw._library = None
+    yield path
+    bg._library = rn._library = adamw._library = None
+    if old is None:
+        os.environ.pop("KILN_KERNELS_CACHE_DIR", None)
+    else:
+        os.environ["KILN_KERNELS_CACHE_DIR"] = old
+
+
+SCALE = r"""
+#include <kiln/kernel.h>
+KILN_KERNEL(scale) {
+  auto out = ctx.tensor<float, 1>(0);
+  auto x = ctx.tensor<const float, 1>(1);
+  const double alpha = ctx.scalar(2);
+  ctx.parallel_for(0, x.size(0), 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out(i) = float(alpha * x(i));
+  });
+}
+// Fails from inside the kernel when limit < x.size(0).
+KILN_KERNEL(checked) {
+  auto x = ctx.tensor<const float, 1>(0);
+  const int64_t limit = ctx.integer(1);
+  KILN_KERNEL_CHECK(x.size(0) <= limit, "x has ", x.size(0), " elements, more than ", limit);
+}
+"""
+SCALE_SIGNATURES = ["scale(float32[*]! out, float32[*] x, float alpha)",
+                    "checked(float32[*] x, int limit)"]
+
+
+@pytest.fixture(scope="module")
+def scale_lib():
+    return kernels.load_inline("test_scale_ext", SCALE, SCALE_SIGNATURES)
+
+
+def inputs(device, rows=64, cols=96, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g)
+    bias = torch.randn(cols, generator=g)
+    x, bias = x.to(device), bias.to(device)
+    return x.requires_grad_(requires_grad), bias.requires_grad_(requires_grad)
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------- results
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+def test_bias_gelu_forward_and_backward_match_pytorch(device):
+    x, bias = inputs(device, requires_grad=True)
+    out = bg.bias_gelu(x, bias)
+    assert out.device == torch.device(device)
+    out.backward(torch.ones_like(out) * 0.5)
+    rx, rb = inputs("cpu", requires_grad=True)
+    ref = bg.reference(rx, rb)
+    ref.backward(torch.ones_like(ref) * 0.5)
+    close(out, ref)
+    close(x.grad, rx.grad)
+    close(bias.grad, rb.grad)
+
+
+def test_opcheck_kiln_and_cpu():
+    # opcheck's autograd-registration test supports only CPU/CUDA/XPU tensors
+    # ("NYI devices other than CPU/CUDA/XPU"): it runs on CPU, where it checks
+    # the same registration (autograd is registered for every device).
+    kiln_args = inputs("kiln", requires_grad=True)
+    torch.library.opcheck(bg.bias_gelu, kiln_args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(bg.bias_gelu, inputs("cpu", requires_grad=True))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+def test_rms_norm_forward_and_backward_match_pytorch(device):
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(48, 100, generator=g), torch.randn(100, generator=g)
+    xd = x.clone().to(device).requires_grad_()
+    wd = weight.clone().to(device).requires_grad_()
+    out = rn.rms_norm(xd, wd, 1e-6)
+    assert out.device == torch.device(device)
+    out.backward(out.detach().cos())
+    xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = torch.nn.functional.rms_norm(xr, (100,), wr, 1e-6)
+    ref.backward(ref.detach().cos())
+    close(out, ref)
+    close(xd.grad, xr.grad)
+    close(wd.grad, wr.grad)
+
+
+def test_rms_norm_opcheck_and_module():
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(16, 40, generator=g), torch.randn(40, generator=g)
+    torch.library.opcheck(rn.rms_norm, (x.to("kiln").requires_grad_(),
+                                        weight.to("kiln").requires_grad_(), 1e-5),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(rn.rms_norm, (x.clone().requires_grad_(),
+                                        weight.clone().requires_grad_(), 1e-5))
+    fused, stock = rn.RMSNorm(40, eps=1e-5).to("kiln"), torch.nn.RMSNorm(40, eps=1e-5).to("kiln")
+    for model in (fused, stock):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x.to("kiln")).pow(3).mean().backward()
+            opt.step()
+    close(fused.weight, stock.weight)
+
+
+def test_rms_norm_compiled_fullgraph():
+    torch._dynamo.reset()
+    model = rn.RMSNorm(32).to("kiln")
+
+    def step(x):
+        return model(x * 2).relu()
+
+    x = torch.randn(8, 32, device="kiln")
+    close(torch.compile(step, fullgraph=True)(x), step(x))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+def test_fused_adamw_trains_like_adamw(device):
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    x, y = torch.randn(16, 37), torch.randn(16, 5)
+    fused, stock = copy.deepcopy(model).to(device), copy.deepcopy(model).to(device)
+    optimizers = [(fused, adamw.FusedAdamW(fused.parameters(), lr=1e-2, weight_decay=0.1)),
+                  (stock, torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.1,
+                                            foreach=False))]
+    for _ in range(10):
+        for m, opt in optimizers:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x.to(device)), y.to(device)).backward()
+            opt.step()
+    for p, q in zip(fused.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_adamw_opcheck_compile_and_errors():
+    def args(device):
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(300, generator=g).to(device), torch.randn(300, generator=g).to(device),
+                torch.zeros(300, device=device), torch.zeros(300, device=device),
+                1e-3, 0.9, 0.999, 1e-8, 0.01, 1]
+
+    torch.library.opcheck(adamw.adamw_step_, args("kiln"),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(adamw.adamw_step_, args("cpu"))
+    # Under torch.compile(fullgraph=True) the in-place op is one node and
+    # its mutations reach the caller's tensors.
+    torch._dynamo.reset()
+    eager, compiled = args("kiln"), args("kiln")
+    adamw.adamw_step_(*eager)
+    torch.compile(lambda *a: adamw.adamw_step_(*a), fullgraph=True)(*compiled)
+    for e, c in zip(eager[:4], compiled[:4]):
+        close(c, e)
+    torch._dynamo.reset()
+    bad = args("kiln")
+    bad[2] = torch.zeros(600, device="kiln")[::2]
+    with pytest.raises(RuntimeError, match="exp_avg must be contiguous"):
+        adamw.adamw_step_(*bad)
+    bad = args("kiln")
+    bad[1] = torch.zeros(299, device="kiln")
+    with pytest.raises(RuntimeError, match=r"grad has shape \(299,\), param \(300,\)"):
+        adamw.adamw_step_(*bad)
+
+
+def test_call_returns_at_once_and_runs_in_stream_order(scale_lib):
+    """Inputs written by queued eager work are read after it; results feed
+    later eager work; nothing waits on the host."""
+    torch.kiln.clear_op_tracking()
+    x = torch.randn(1 << 20, device="kiln")
+    y = (x * 3).exp()  # queued eager work the kernel reads
+    out = torch.empty_like(y)
+    before = dict(torch.kiln.get_sync_ops())
+    scale_lib.scale(out, y, 0.5)
+    later = out + 1  # eager work reading the kernel's output
+    assert dict(torch.kiln.get_sync_ops()) == before
+    close(later, (x.cpu() * 3).exp().double().mul(0.5).float() + 1)
+    assert torch.kiln.get_executed_ops()["test_scale_ext::scale"] == 1
+
+
+def test_runs_on_the_current_side_stream(scale_lib):
+    x = torch.randn(4096, device="kiln:1")
+    out = torch.empty_like(x)
+    side = torch.kiln.Stream(device="kiln:1")
+    side.wait_stream(torch.kiln.current_stream("kiln:1"))
+    with torch.kiln.stream(side):
+        scale_lib.scale(out, x, 2.0)
+    torch.kiln.current_stream("kiln:1").wait_stream(side)
+    close(out, x.cpu() * 2)
+
+
+def test_profiler_shows_the_kernel_on_the_device_track(scale_lib):
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(1024, device="kiln")
+    out = torch.empty_like(x)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        scale_lib.scale(out, x, 3.0)
+        torch.kiln.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    assert "test_scale_ext::scale" in names
+
+
+def test_compiled_fullgraph_is_one_node_with_eagers_results():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = bg.BiasGelu(32, 48).to("kiln")
+
+    def step(x):
+        return model(x).sum(1) * 2
+
+    x = torch.randn(16, 32, device="kiln")
+    compiled = torch.compile(step, fullgraph=True)
+    out = compiled(x)
+    close(out, step(x))
+    assert not counters["graph_break"]
+    # The op is one node of the traced graph.
+    gm_nodes = []
+
+    def backend(gm, example_inputs):
+        gm_nodes.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=backend, fullgraph=True)(x)
+    assert sum(1 for t in gm_nodes if "bias_gelu" in str(t)) == 1
+    torch._dynamo.reset()
+
+
+def test_model_trains_like_the_composite():
+    torch.manual_seed(0)
+    fused = bg.BiasGelu(24, 40).to("kiln")
+    composite = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU()).to("kiln")
+    with torch.no_grad():
+        composite[0].weight.copy_(fused.linear.weight)
+        composite[0].bias.copy_(fused.bias)
+    x = torch.randn(8, 24, device="kiln")
+    for model in (fused, composite):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    close(fused.linear.weight, composite[0].weight)
+    close(fused.bias, composite[0].bias)
+
+
+# ---------------------------------------------------------------- errors at the call
+
+def test_wrong_dtype_rank_device_and_count_raise_at_the_call(scale_lib):
+    x = torch.randn(8, device="kiln")
+    out = torch.empty_like(x)
+    with pytest.raises(TypeError, match=r"test_scale_ext::scale: argument 'x' has dtype "
+                                        r"float64, expected float32"):
+        scale_lib.scale(out, x.double(), 1.0)
+    with pytest.raises(ValueError, match=r"argument 'x' has 2 dimensions .*expected 1"):
+        scale_lib.scale(out, x.view(2, 4), 1.0)
+    with pytest.raises(RuntimeError, match=r"argument 'x' is on cpu, expected kiln:0"):
+        scale_lib.scale(out, x.cpu(), 1.0)
+    with pytest.raises(RuntimeError, match=r"one kiln device, got kiln:0, kiln:1"):
+        scale_lib.scale(out, x.to("kiln:1"), 1.0)
+    with pytest.raises(TypeError, match=r"takes 3 arguments .*got 2"):
+        scale_lib.scale(out, x)
+    with pytest.raises(TypeError, match=r"argument 'alpha' must be a float, got str"):
+        scale_lib.scale(out, x, "2")
+    with pytest.raises(RuntimeError, match=r"expected kiln tensors"):
+        scale_lib.scale(out.cpu(), x.cpu(), 1.0)
+    # The op's own checks name the op.
+    with pytest.raises(RuntimeError, match=r"kilnex::bias_gelu: bias must have shape"):
+        bg.bias_gelu(torch.randn(4, 8, device="kiln"), torch.randn(7, device="kiln"))
+    close(out.fill_(1), torch.ones(8))  # the device keeps working
+
+
+def test_error_inside_a_kernel_surfaces_at_synchronize_and_the_device_keeps_working(scale_lib):
+    x = torch.randn(100, device="kiln")
+    scale_lib.checked(x, 10)
+    with pytest.raises(RuntimeError, match=r"test_scale_ext::checked: .*x has 100 elements, "
+                                           r"more than 10"):
+        torch.kiln.synchronize()
+    out = torch.empty_like(x)
+    scale_lib.scale(out, x, 2.0)
+    close(out, x.cpu() * 2)
+
+
+def test_a_view_the_signature_does_not_allow_fails_inside_the_kernel():
+    lib = kernels.load_inline("test_bad_view_ext", r"""
+        #include <kiln/kernel.h>
+        KILN_KERNEL(bad) { auto x = ctx.tensor<double, 1>(0); (void)x; }
+    """, ["bad(float32[*] x)"])
+    lib.bad(torch.randn(4, device="kiln"))
+    with pytest.raises(RuntimeError, match=r"argument 0 is a float32 tensor; the kernel viewed "
+                                           r"it as float64"):
+        torch.kiln.synchronize()
+
+
+def test_compile_error_shows_the_compilers_message_and_line():
+    source = "#include <kiln/kernel.h>\nKILN_KERNEL(broken) {\n  undefined_name(ctx);\n}\n"
+    with pytest.raises(kernels.KernelCompileError,
+                       match=r"(?s)test_broken_ext cpp_sources\[0\]:3:.*undefined_name"):
+        kernels.load_inline("test_broken_ext", source, ["broken()"])
+
+
+def test_compile_error_in_a_source_file_names_the_file(tmp_path):
+    path = tmp_path / "my_kernel.cpp"
+    path.write_text("#include <kiln/kernel.h>\n\nKILN_KERNEL(k) { int x = ; }\n")
+    with pytest.raises(kernels.KernelCompileError, match=rf"(?s){path}:3:"):
+        kernels.load("test_file_ext", [str(path)], ["k()"])
+
+
+def test_load_from_a_file(tmp_path):
+    path = tmp_path / "scale.cpp"
+    path.write_text(SCALE)
+    lib = kernels.load("test_scale_file_ext", [str(path)], SCALE_SIGNATURES)
+    x = torch.randn(16, device="kiln")
+    out = torch.empty_like(x)
+    lib.scale(out, x, -1.0)
+    close(out, -x.cpu())
+
+
+@pytest.mark.parametrize("functions, error, message", [
+    (["scale(float32[*]! out, float32[*] x, double alpha)"], ValueError, "cannot read argument"),
+    (["scale(float33[*]! out, float32[*] x, float alpha)"], ValueError, "unknown dtype 'float33'"),
+    (["scale(float32[*]! out, float32[*, 2] x, float alpha)"], ValueError, "one '\\*' per dim"),
+    (["scale float32"], ValueError, "expected 'name\\(arguments\\)'"),
+    (["missing(float32[*] x)"], AttributeError, "define no KILN_KERNEL\\(missing\\)"),
+    ([], ValueError, "at least one kernel signature"),
+])
+def test_bad_declarations_raise_clear_errors(functions, error, message):
+    with pytest.raises(error, match=message):
+        kernels.load_inline("test_scale_ext", SCALE, functions)
+
+
+def test_bad_library_name_and_missing_file():
+    with pytest.raises(ValueError, match="must be a Python identifier"):
+        kernels.load_inline("bad-name", SCALE, SCALE_SIGNATURES)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kernels.load("test_nofile_ext", ["/nonexistent/k.cpp"], ["k()"])
+
+
+# ---------------------------------------------------------------- cache
+
+def test_a_second_process_loads_from_the_cache_without_compiling(scale_lib, kernel_cache):
+    code = textwrap.dedent(f"""
+        import subprocess, torch
+        import torch_kiln.kernels as kernels
+        from torch_kiln.kernels import build
+        calls = []
+        real_run = subprocess.run
+        def run(cmd, *a, **k):
+            calls.append(cmd)
+            return real_run(cmd, *a, **k)
+        build.subprocess.run = run
+        lib = kernels.load_inline("test_scale_ext", {SCALE!r}, {SCALE_SIGNATURES!r})
+        x = torch.ones(4, device="kiln"); out = torch.empty_like(x)
+        lib.scale(out, x, 3.0)
+        print(out.sum().item(), [c for c in calls if "-shared" in c])
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, KILN_KERNELS_CACHE_DIR=str(kernel_cache)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["12.0", "[]"], result.stdout
+
+
+def test_changed_source_rebuilds(kernel_cache):
+    first = kernels.load_inline("test_rebuild_ext", SCALE, SCALE_SIGNATURES)
+    second = kernels.load_inline("test_rebuild_ext", SCALE + "\n// changed\n", SCALE_SIGNATURES)
+    assert first.path != second.path
+    assert kernels.load_inline("test_rebuild_ext", SCALE, SCALE_SIGNATURES).path == first.path
+
+
+def test_unwritable_cache_directory_names_the_variable(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("KILN_KERNELS_CACHE_DIR", str(blocked / "cache"))
+    with pytest.raises(OSError, match="set KILN_KERNELS_CACHE_DIR to a writable directory"):
+        kernels.load_inline("test_nocache_ext", SCALE, SCALE_SIGNATURES)
+
+
+def test_namespace_registers_each_kernel_as_an_operator():
+    lib = kernels.load_inline("test_ns_ext", SCALE, SCALE_SIGNATURES, namespace="kiln_test_ns")
+    assert str(torch.ops.kiln_test_ns.scale.default._schema) == \
+        "kiln_test_ns::scale(Tensor(a!) out, Tensor x, float alpha) -> ()"
+    x = torch.randn(64, device="kiln:1")
+    out = torch.empty_like(x)
+    torch.ops.kiln_test_ns.scale(out, x, 4.0)
+    close(out, x.cpu() * 4)
+    # One mutating node under torch.compile; the caller sees the mutation.
+    torch._dynamo.reset()
+    out2 = torch.zeros_like(x)
+
+    def fn(o, t):
+        torch.ops.kiln_test_ns.scale(o, t * 2, 0.5)
+        return o + 1
+
+    result = torch.compile(fn, fullgraph=True)(out2, x)
+    close(out2, x.cpu())
+    close(result, x.cpu() + 1)
+    torch._dynamo.reset()
+    # The checks of the call still apply through the operator.
+    with pytest.raises(TypeError, match="argument 'x' has dtype float64, expected float32"):
+        torch.ops.kiln_test_ns.scale(out, x.double(), 1.0)
+    with pytest.raises(RuntimeError, match="operator kiln_test_ns::scale .*exists already"):
+        kernels.load_inline("test_ns_ext", SCALE, SCALE_SIGNATURES, namespace="kiln_test_ns")
+    assert lib.namespace == "kiln_test_ns"
+
+
+def test_kernel_reads_its_device_and_stream():
+    lib = kernels.load_inline("test_stream_id_ext", r"""
+        #include <kiln/kernel.h>
+        KILN_KERNEL(where) {
+          auto out = ctx.tensor<int64_t, 1>(0);
+          out(0) = ctx.device();
+          out(1) = ctx.stream_id();
+        }
+    """, ["where(int64[*]! out)"])
+    out = torch.zeros(2, dtype=torch.int64, device="kiln:1")
+    side = torch.kiln.Stream(device="kiln:1")
+    side.wait_stream(torch.kiln.current_stream("kiln:1"))
+    with torch.kiln.stream(side):
+        lib.where(out)
+    side.synchronize()
+    assert out.tolist() == [1, side.stream_id]
