@@ -465,3 +465,103 @@ def test_kernel_reads_its_device_and_stream():
         lib.where(out)
     side.synchronize()
     assert out.tolist() == [1, side.stream_id]
+
+
+# ---------------------------------------------------------------- found by a fresh user
+
+FILL = r"""
+#include <kiln/kernel.h>
+KILN_KERNEL(fill) {
+  auto out = ctx.tensor<float, 1>(0);
+  const double v = ctx.scalar(1);
+  ctx.parallel_for(0, out.size(0), 1024, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out(i) = float(v);
+  });
+}
+KILN_KERNEL(count) {  // no tensor arguments
+  KILN_KERNEL_CHECK(ctx.integer(0) >= 0, "negative count ", ctx.integer(0), " on kiln:", ctx.device());
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fill_lib():
+    return kernels.load_inline("test_fill_ext", FILL, ["fill(float32[*]! out, float v)",
+                                                        "count(int n)"])
+
+
+def test_written_tensors_bump_their_version_so_autograd_sees_the_write(fill_lib):
+    x = torch.randn(4, device="kiln", requires_grad=True)
+    y = x.exp()  # exp's backward uses y
+    version = y._version
+    fill_lib.fill(y.detach(), 0.0)
+    assert y._version == version + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_an_expanded_written_tensor_is_rejected(fill_lib):
+    out = torch.zeros(1, device="kiln").expand(1000)
+    with pytest.raises(RuntimeError, match=r"argument 'out' is written by the kernel, but more "
+                                           r"than one of its elements"):
+        fill_lib.fill(out, 1.0)
+
+
+def test_scalar_arguments_overflow_and_numpy(fill_lib):
+    import numpy as np
+
+    out = torch.zeros(8, device="kiln")
+    with pytest.raises(OverflowError, match=r"test_fill_ext::fill: argument 'v' = .* does not "
+                                            r"fit a double"):
+        fill_lib.fill(out, 10 ** 400)
+    with pytest.raises(OverflowError, match=r"argument 'n' = 9223372036854775808 does not fit "
+                                            r"int64"):
+        fill_lib.count(2 ** 63)
+    fill_lib.fill(out, np.float32(0.5))
+    fill_lib.count(np.int64(3))
+    close(out, torch.full((8,), 0.5))
+
+
+def test_a_kernel_without_tensors_runs_on_the_current_device(fill_lib):
+    with torch.kiln.device(1):
+        fill_lib.count(-1)
+    with pytest.raises(RuntimeError, match="negative count -1 on kiln:1"):
+        torch.kiln.synchronize(1)
+
+
+def test_more_bad_declarations():
+    with pytest.raises(ValueError, match="9 dimensions; kiln kernels take at most 8"):
+        kernels.load_inline("test_fill_ext", FILL, ["fill(float32[*,*,*,*,*,*,*,*,*]! out, "
+                                                     "float v)"])
+    with pytest.raises(TypeError, match="extra_cflags must be a list of flags"):
+        kernels.load_inline("test_fill_ext", FILL, ["fill(float32[*]! out, float v)"],
+                            extra_cflags="-O0")
+    with pytest.raises(ValueError, match="at most 100 are allowed"):
+        kernels.load_inline("x" * 300, FILL, ["fill(float32[*]! out, float v)"])
+
+
+def test_an_undefined_symbol_fails_the_build():
+    source = "#include <kiln/kernel.h>\nvoid helper();\nKILN_KERNEL(f) { helper(); }\n"
+    with pytest.raises(kernels.KernelCompileError, match=r"(?s)undefined reference to "
+                                                         r"`helper\(\)'"):
+        kernels.load_inline("test_link_ext", source, ["f()"])
+
+
+def test_a_damaged_cached_library_is_rebuilt(kernel_cache):
+    from torch_kiln.kernels import build
+
+    # Built but not loaded here: truncating a library a process has mapped
+    # would crash that process (SIGBUS) when it next runs the code.
+    path = str(build.build_library("test_damaged_ext", inline_sources=[FILL]))
+    code = textwrap.dedent(f"""
+        import os, torch
+        open({path!r}, "wb").close()
+        import torch_kiln.kernels as kernels
+        lib = kernels.load_inline("test_damaged_ext", {FILL!r}, ["fill(float32[*]! out, float v)"])
+        out = torch.zeros(3, device="kiln"); lib.fill(out, 2.0)
+        print(out.sum().item(), os.path.getsize({path!r}) > 0)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, KILN_KERNELS_CACHE_DIR=str(kernel_cache)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["6.0", "True"], result.stdout

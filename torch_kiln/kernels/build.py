@@ -96,15 +96,32 @@ def simd_flags() -> tuple[str, ...]:
     return (*(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split())
 
 
+MAX_NAME_LENGTH = 100  # the cache's file names add a key and a suffix
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"kiln kernel library name must be a Python identifier, got {name!r}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(f"kiln kernel library name has {len(name)} characters; at most "
+                         f"{MAX_NAME_LENGTH} are allowed")
+
+
+def check_flags(extra_cflags) -> list[str]:
+    """``extra_cflags`` as a list of strings, or TypeError."""
+    if isinstance(extra_cflags, str) or not all(isinstance(f, str) for f in extra_cflags):
+        raise TypeError(f"kiln kernels: extra_cflags must be a list of flags such as "
+                        f"['-O0', '-g'], got {extra_cflags!r}")
+    return list(extra_cflags)
 
 
 def build_library(name: str, *, inline_sources: list[str] = (), source_files: list[str] = (),
-                  extra_cflags: list[str] = (), verbose: bool = False) -> Path:
-    """The path of the shared library built from the sources (cached)."""
+                  extra_cflags: list[str] = (), verbose: bool = False,
+                  rebuild: bool = False) -> Path:
+    """The path of the shared library built from the sources (cached;
+    ``rebuild`` replaces a cached copy, e.g. one that fails to load)."""
     _check_name(name)
+    extra_cflags = check_flags(extra_cflags)
     cxx = compiler()
     files = [Path(f).resolve() for f in source_files]
     for f in files:
@@ -114,7 +131,10 @@ def build_library(name: str, *, inline_sources: list[str] = (), source_files: li
     # Everything on the command line but the file names: all of it is in the key.
     flags = [*BASE_FLAGS, *simd_flags(), *extra_cflags, f"-I{INCLUDE_DIR}",
              f"-I{TORCH_INCLUDE_DIR}", f"-L{TORCH_LIBRARY_DIR}", "-ltorch_cpu", "-lc10",
-             f"-Wl,-rpath,{TORCH_LIBRARY_DIR}"]
+             f"-Wl,-rpath,{TORCH_LIBRARY_DIR}",
+             # An undefined symbol fails the build (with the linker's message)
+             # instead of the later dlopen.
+             "-Wl,--no-undefined"]
     key = hashlib.sha256()
     for part in (name, _compiler_version(cxx), HEADER.read_text(), *flags):
         key.update(part.encode() + b"\0")
@@ -125,11 +145,11 @@ def build_library(name: str, *, inline_sources: list[str] = (), source_files: li
     digest = key.hexdigest()[:20]
     root = cache_dir()
     library = root / f"{name}-{digest}.so"
-    if library.exists():
+    if library.exists() and not rebuild:
         return library
     with open(root / f"{name}-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.exists():  # another process built it while we waited
+        if library.exists() and not rebuild:  # another process built it while we waited
             return library
         with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-") as work:
             inputs = []

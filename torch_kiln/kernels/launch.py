@@ -14,6 +14,8 @@ device track under ``<library>::<kernel>``.
 from __future__ import annotations
 
 import ctypes
+import numbers
+import operator
 
 import torch
 
@@ -44,6 +46,7 @@ class Kernel:
             raise TypeError(f"kiln kernel {self.qualified_name} takes {len(arguments)} arguments "
                             f"({self.signature}), got {len(args)}")
         device = self._device_of(args)
+        written: list[torch.Tensor] = []
         letters = ["i", "i", "i", "i"]
         stream_id = torch.kiln.current_stream(device).stream_id
         values: list[object] = [device.index, stream_id, ctypes.addressof(self._name_buffer),
@@ -51,31 +54,55 @@ class Kernel:
         for argument, value in zip(arguments, args):
             if argument.kind == "tensor":
                 self._check_tensor(argument, value, device)
+                if argument.written:
+                    written.append(value)
                 letters += ["i", "w" if argument.written else "r", "i", "i", "i"]
                 letters += ["i"] * (2 * value.dim())
                 values += [_TENSOR, value, DTYPE_CODES[value.dtype], int(argument.written),
                            value.dim(), *value.shape, *value.stride()]
             elif argument.kind == "float":
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TypeError(self._where(argument) + f" must be a float, got "
-                                    f"{type(value).__name__}")
                 letters += ["i", "f"]
-                values += [_FLOAT, float(value)]
+                values += [_FLOAT, self._float(argument, value)]
             else:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(self._where(argument) + f" must be an int, got "
-                                    f"{type(value).__name__}")
                 letters += ["i", "i"]
-                values += [_INT, value]
+                values += [_INT, self._int(argument, value)]
         self._launcher("".join(letters)).launch(device.index, *values)
+        # The kernel writes these in place, as an out= or in-place op does:
+        # autograd must see the change (a tensor saved for backward and then
+        # overwritten raises at backward instead of giving wrong gradients).
+        for tensor in written:
+            torch.autograd.graph.increment_version(tensor)
 
     # ------------------------------------------------------------ checks
 
     def _where(self, argument) -> str:
         return f"kiln kernel {self.qualified_name}: argument '{argument.name}'"
 
+    def _float(self, argument, value) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{self._where(argument)} must be a float, got "
+                            f"{type(value).__name__}")
+        try:
+            return float(value)
+        except OverflowError:
+            raise OverflowError(f"{self._where(argument)} = {value} does not fit a double") from None
+
+    def _int(self, argument, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{self._where(argument)} must be an int, got "
+                            f"{type(value).__name__}")
+        value = operator.index(value)
+        if not -(2 ** 63) <= value < 2 ** 63:
+            raise OverflowError(f"{self._where(argument)} = {value} does not fit int64 "
+                                f"[-2**63, 2**63 - 1]")
+        return value
+
     def _device_of(self, args) -> torch.device:
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if not devices:
+            # No tensor arguments: the current kiln device, as a CUDA launch
+            # without tensors runs on the current device.
+            return torch.device("kiln", torch.kiln.current_device())
         kiln = sorted((d for d in devices if d.type == "kiln"), key=lambda d: d.index)
         if not kiln:
             raise RuntimeError(f"kiln kernel {self.qualified_name}: expected kiln tensors, got "
@@ -109,6 +136,10 @@ class Kernel:
         if argument.written and value.requires_grad and torch.is_grad_enabled() and value.is_leaf:
             raise RuntimeError(f"{where} is written by the kernel but is a leaf tensor that "
                                "requires grad")
+        if argument.written and torch._debug_has_internal_overlap(value) == 1:
+            raise RuntimeError(f"{where} is written by the kernel, but more than one of its "
+                               "elements refers to a single memory location (an expanded, "
+                               "stride-0 tensor); clone() it first")
 
     def _launcher(self, letters: str):
         launcher = self._launchers.get(letters)

@@ -36,7 +36,9 @@ class KernelLibrary:
     def __init__(self, name: str, path, signatures: Sequence[str], namespace: str | None = None):
         self.name = name
         self.path = str(path)
-        self._handle = ctypes.CDLL(self.path)  # kept for the life of the library
+        # Kept for the life of the process: ctypes never unloads a library,
+        # and queued tasks may still run its kernels.
+        self._handle = ctypes.CDLL(self.path)
         self.kernels: dict[str, Kernel] = {}
         for text in signatures:
             signature = parse(text)
@@ -115,9 +117,8 @@ def load_inline(name: str, cpp_sources, functions, *, namespace: str | None = No
     if not sources or not all(isinstance(s, str) for s in sources):
         raise TypeError("kiln kernels: cpp_sources must be a string or a list of strings")
     signatures = _signatures(functions)
-    path = build.build_library(name, inline_sources=sources, extra_cflags=list(extra_cflags),
-                               verbose=verbose)
-    return KernelLibrary(name, path, signatures, namespace)
+    return _load(name, signatures, namespace, inline_sources=sources,
+                 extra_cflags=extra_cflags, verbose=verbose)
 
 
 def load(name: str, sources, functions, *, namespace: str | None = None,
@@ -128,6 +129,22 @@ def load(name: str, sources, functions, *, namespace: str | None = None,
     if not files:
         raise ValueError("kiln kernels: sources must name at least one C++ file")
     signatures = _signatures(functions)
-    path = build.build_library(name, source_files=files, extra_cflags=list(extra_cflags),
-                               verbose=verbose)
-    return KernelLibrary(name, path, signatures, namespace)
+    return _load(name, signatures, namespace, source_files=files, extra_cflags=extra_cflags,
+                 verbose=verbose)
+
+
+def _load(name, signatures, namespace, **build_args) -> KernelLibrary:
+    """Builds (or finds in the cache) and loads; a cached library that does
+    not load (truncated, overwritten) is rebuilt once."""
+    for signature in signatures:
+        parse(signature)  # a bad signature fails before any build
+    path = build.build_library(name, **build_args)
+    try:
+        return KernelLibrary(name, path, signatures, namespace)
+    except OSError as error:
+        path = build.build_library(name, rebuild=True, **build_args)
+        try:
+            return KernelLibrary(name, path, signatures, namespace)
+        except OSError:
+            raise OSError(f"kiln kernel library {name!r}: {path} does not load even after a "
+                          f"rebuild ({error})") from None

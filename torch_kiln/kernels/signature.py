@@ -36,6 +36,7 @@ DTYPES = {
     "uint8": (torch.uint8, 8),
     "bool": (torch.bool, 9),
 }
+MAX_DIMS = 8  # kiln::kMaxDims in kiln/kernel.h
 DTYPE_CODES = {dtype: code for dtype, code in DTYPES.values()}
 DTYPE_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
 
@@ -139,4 +140,7 @@ def _parse_argument(text: str, part: str, before: list[Argument]) -> Argument:
             raise ValueError(f"kiln kernel signature {text!r}: argument {name!r} has dims "
                              f"[{dims_text}]; write one '*' per dimension or '...'")
         dim = len(stars)
+        if dim > MAX_DIMS:
+            raise ValueError(f"kiln kernel signature {text!r}: argument {name!r} has {dim} "
+                             f"dimensions; kiln kernels take at most {MAX_DIMS}")
     return Argument(name, "tensor", dtypes, dim, written=bool(bang))
