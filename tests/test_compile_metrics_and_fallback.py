@@ -47,6 +47,18 @@ def test_counts_graphs_breaks_and_recompilations():
     assert kiln_compiler.get_metrics()["recompilations"] == 0
 
 
+def test_fullgraph_frames_are_counted():
+    """Dynamo's counters["frames"] leaves out fullgraph=True compiles."""
+    torch._dynamo.reset()
+    kiln_compiler.reset_metrics()
+    torch.compile(lambda t: t.cos() * 3, backend="eager", fullgraph=True)(
+        torch.randn(3, device="kiln"))
+    torch.compile(_with_a_graph_break, backend="eager")(torch.randn(3, device="kiln"))
+    metrics = kiln_compiler.get_metrics()
+    assert metrics["frames_compiled"] == 3  # the fullgraph frame, then two around the break
+    assert metrics["graphs_compiled"] == 3
+
+
 # ---------------------------------------------------------------- failure policy
 
 def _failing_compile_fx(gm, example_inputs, **kwargs):
