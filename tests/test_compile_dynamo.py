@@ -824,3 +824,29 @@ def test_kiln_devices_keep_their_index_through_compiled_code():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "kiln"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_compiled_dropout_draws_eagers_mask_in_every_layout(backend, layout, tmp_path, monkeypatch):
+    """Kiln's dropout drew its noise with an in-place bernoulli_ on an
+    empty_like of the input; functionalization turns that into bernoulli.p,
+    whose result is contiguous, so for a channels-last input the compiled
+    mask differed from eager's (Dropout.cc). Eager kiln also matches CPU."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 3, 6, 6)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.transpose(1, 3)
+    kx = x.to("kiln")
+    torch.manual_seed(5)
+    expected = F.dropout(x, 0.3)
+    torch.manual_seed(5)
+    eager = F.dropout(kx, 0.3)
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    compiled = torch.compile(lambda t: F.dropout(t, 0.3), backend=backend)(kx)
+    torch._dynamo.reset()
+    assert_same(eager, expected)
+    assert_same(compiled, expected)

@@ -16,6 +16,7 @@
 // and sizes through their SymInt accessors (See Note [Kiln kernels under
 // FakeTensorMode] in aten/FakeKernels.cc).
 #include <ATen/ops/bernoulli.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros.h>
@@ -25,6 +26,22 @@
 namespace at::kiln {
 namespace {
 
+// Bernoulli(p) noise in the layout at::empty_like(input) gives, drawn in
+// memory order exactly as `at::empty_like(input).bernoulli_(p)` draws it
+// (CPU's dropout), but into a 1-D buffer viewed with that layout. Under
+// torch.compile the in-place form is functionalized into bernoulli.p, whose
+// result is contiguous, so for a channels-last or transposed input it drew
+// the same numbers in another order and compiled dropout masks differed from
+// eager (found by a fresh user); a 1-D buffer has one order either way.
+at::Tensor bernoulliNoiseLike(const at::Tensor& input, double p) {
+  // empty_like's layout (dense, in the input's dimension order) on the meta
+  // device: metadata only.
+  const at::Tensor layout = at::empty_like(input, input.options().device(c10::kMeta));
+  at::Tensor flat = at::empty_symint({input.sym_numel()}, input.options());
+  flat.bernoulli_(p);
+  return flat.as_strided_symint(layout.sym_sizes(), layout.sym_strides());
+}
+
 at::Tensor dropout(const at::Tensor& input, double p, bool train) {
   TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
   if (p == 0 || !train || input.sym_numel() == 0) {
@@ -33,8 +50,7 @@ at::Tensor dropout(const at::Tensor& input, double p, bool train) {
   if (p == 1) {
     return input.mul(at::zeros({}, input.options()));
   }
-  at::Tensor noise = at::empty_like(input);
-  noise.bernoulli_(1 - p);
+  at::Tensor noise = bernoulliNoiseLike(input, 1 - p);
   noise.div_(1 - p);
   return input.mul(noise);
 }
@@ -49,8 +65,7 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   }
   const double p1m = 1. - p;
   const double scale = p1m == 0 ? 0. : 1. / p1m;
-  at::Tensor mask = at::empty_like(input);
-  mask.bernoulli_(p1m);
+  at::Tensor mask = bernoulliNoiseLike(input, p1m);
   at::Tensor output = input.mul(mask).mul_(scale);
   return {output, mask.to(c10::kBool)};
 }
