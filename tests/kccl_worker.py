@@ -1,0 +1,391 @@
+"""One rank of the kccl tests (tests/test_distributed_kccl.py).
+
+Started as a subprocess by the test module's rank pool; reads one JSON
+command per line on stdin ({"scenario": name, "args": {...}}), runs the
+scenario with the process group it initialised at start and answers one
+line "KCCL-RESULT {json}" on stdout. Every scenario computes the expected
+result on the CPU in this process (each rank can rebuild every rank's input
+from the seed) and compares, bit for bit where the math is the same.
+Not a test module itself (pytest collects test_*.py only).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+DEVICE = torch.device("kiln", int(os.environ["LOCAL_RANK"]))
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INT_DTYPES = [torch.int32, torch.int64, torch.int8, torch.uint8]
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
+R = dist.ReduceOp
+
+
+def make_input(rank: int, shape, dtype, seed: int = 0) -> torch.Tensor:
+    """Rank `rank`'s CPU input, reproducible on every rank."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * 2).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g).to(dtype)
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+
+
+def ops_for(dtype):
+    if dtype == torch.bool:
+        return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+    if dtype.is_floating_point:
+        return [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, "premul"]
+    return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+
+
+def kccl_op(op):
+    return dist._make_nccl_premul_sum(0.5) if op == "premul" else op
+
+
+def reference(parts, op):
+    """The reduction kccl defines (Reductions.h), with torch on the CPU."""
+    is_bool = parts[0].dtype == torch.bool
+    if op == "premul":
+        acc = parts[0] * 0.5
+        for p in parts[1:]:
+            acc = acc + p * 0.5
+        return acc
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if op in (R.SUM, R.AVG):
+            acc = torch.logical_or(acc, p) if is_bool else acc + p
+        elif op == R.PRODUCT:
+            acc = torch.logical_and(acc, p) if is_bool else acc * p
+        elif op == R.MIN:
+            acc = torch.logical_and(acc, p) if is_bool else torch.minimum(acc, p)
+        elif op == R.MAX:
+            acc = torch.logical_or(acc, p) if is_bool else torch.maximum(acc, p)
+        elif op == R.BAND:
+            acc = acc & p
+        elif op == R.BOR:
+            acc = acc | p
+        elif op == R.BXOR:
+            acc = acc ^ p
+    if op == R.AVG:
+        acc = acc / len(parts)
+    return acc
+
+
+def check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.equal(got, want):
+        diff = (got.double() - want.double()).abs().max().item()
+        raise AssertionError(f"{what}: kccl differs from CPU (max abs diff {diff})")
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def s_backend_info(args):
+    return {
+        "backend": dist.get_backend(),
+        "default_for_kiln": dist.get_default_backend_for_device("kiln"),
+        "world": dist.get_world_size(),
+        "rank": dist.get_rank(),
+        "device": str(DEVICE),
+        "kccl_type": type(dist.group.WORLD._get_backend(DEVICE)).__name__,
+    }
+
+
+def s_all_reduce_ops(args):
+    shape = tuple(args.get("shape", (5, 7)))
+    checked = 0
+    for dtype in [getattr(torch, d) for d in args.get("dtypes", [str(d)[6:] for d in ALL_DTYPES])]:
+        for op in ops_for(dtype):
+            parts = [make_input(r, shape, dtype, seed=checked) for r in range(WORLD)]
+            t = parts[RANK].to(DEVICE)
+            dist.all_reduce(t, op=kccl_op(op))
+            check_equal(t, reference(parts, op), f"all_reduce {op} {dtype}")
+            checked += 1
+    return checked
+
+
+def s_collectives(args):
+    checked = 0
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]:
+        shape = (3, 4)
+        parts = [make_input(r, shape, dtype, seed=checked) for r in range(WORLD)]
+        # broadcast from every root
+        for root in range(WORLD):
+            t = parts[RANK].to(DEVICE)
+            dist.broadcast(t, src=root)
+            check_equal(t, parts[root], f"broadcast root {root} {dtype}")
+        # reduce to every root (the others keep their input)
+        op = R.SUM if dtype != torch.bool else R.MAX
+        for root in range(WORLD):
+            t = parts[RANK].to(DEVICE)
+            dist.reduce(t, dst=root, op=op)
+            check_equal(t, reference(parts, op) if RANK == root else parts[RANK], f"reduce root {root} {dtype}")
+        # all_gather (list) and all_gather_into_tensor
+        outs = [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(WORLD)]
+        dist.all_gather(outs, parts[RANK].to(DEVICE))
+        for r in range(WORLD):
+            check_equal(outs[r], parts[r], f"all_gather from {r} {dtype}")
+        out = torch.empty((WORLD * 3, 4), dtype=dtype, device=DEVICE)
+        dist.all_gather_into_tensor(out, parts[RANK].to(DEVICE))
+        check_equal(out, torch.cat(parts), f"all_gather_into_tensor {dtype}")
+        # reduce_scatter_tensor and reduce_scatter (list)
+        big = [make_input(r, (WORLD * 3, 4), dtype, seed=100 + checked) for r in range(WORLD)]
+        rs_ops = [op] + ([R.AVG, R.MIN] if dtype.is_floating_point else [R.BXOR] if dtype != torch.bool else [])
+        for rop in rs_ops:
+            out = torch.empty(shape, dtype=dtype, device=DEVICE)
+            dist.reduce_scatter_tensor(out, big[RANK].to(DEVICE), op=rop)
+            want = reference([b[RANK * 3:(RANK + 1) * 3] for b in big], rop)
+            check_equal(out, want, f"reduce_scatter_tensor {rop} {dtype}")
+            out = torch.empty(shape, dtype=dtype, device=DEVICE)
+            dist.reduce_scatter(out, list(big[RANK].to(DEVICE).chunk(WORLD)), op=rop)
+            check_equal(out, want, f"reduce_scatter {rop} {dtype}")
+        checked += 1
+    dist.barrier()
+    return checked
+
+
+def s_chunked(args):
+    # The workers run with a small KCCL_SHM_SLOT_BYTES, so these need many steps.
+    n = args["numel"]
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        parts = [make_input(r, (n,), dtype, seed=7) for r in range(WORLD)]
+        t = parts[RANK].to(DEVICE)
+        dist.all_reduce(t)
+        check_equal(t, reference(parts, R.SUM), f"chunked all_reduce {dtype}")
+        out = torch.empty(WORLD * n, dtype=dtype, device=DEVICE)
+        dist.all_gather_into_tensor(out, parts[RANK].to(DEVICE))
+        check_equal(out, torch.cat(parts), f"chunked all_gather_into_tensor {dtype}")
+        big = [make_input(r, (WORLD * n,), dtype, seed=8) for r in range(WORLD)]
+        out = torch.empty(n, dtype=dtype, device=DEVICE)
+        dist.reduce_scatter_tensor(out, big[RANK].to(DEVICE))
+        check_equal(out, reference([b[RANK * n:(RANK + 1) * n] for b in big], R.SUM),
+                    f"chunked reduce_scatter_tensor {dtype}")
+        t = parts[RANK].to(DEVICE)
+        dist.broadcast(t, src=WORLD - 1)
+        check_equal(t, parts[WORLD - 1], f"chunked broadcast {dtype}")
+    return True
+
+
+def s_noncontiguous(args):
+    parts = [make_input(r, (6, 4), torch.float32, seed=3) for r in range(WORLD)]
+    base = torch.zeros(4, 6, device=DEVICE)
+    t = base.t()  # a transposed view of `base`
+    t.copy_(parts[RANK].to(DEVICE))
+    assert not t.is_contiguous()
+    dist.all_reduce(t)
+    check_equal(t, reference(parts, R.SUM), "all_reduce of a transposed view")
+    check_equal(base, reference(parts, R.SUM).t(), "all_reduce writes through the view")
+    # a strided slice, broadcast into it; the gaps stay untouched
+    buf = torch.full((8,), -1.0, device=DEVICE)
+    view = buf[::2]
+    view.copy_(parts[RANK].flatten()[:4].to(DEVICE))
+    dist.broadcast(view, src=0)
+    want = torch.full((8,), -1.0)
+    want[::2] = parts[0].flatten()[:4]
+    check_equal(buf, want, "broadcast into a strided view")
+    outs = [torch.empty(4, 6, device=DEVICE) for _ in range(WORLD)]
+    dist.all_gather(outs, parts[RANK].to(DEVICE).t())
+    for r in range(WORLD):
+        check_equal(outs[r], parts[r].t().contiguous(), "all_gather of a transposed input")
+    # empty tensors
+    e = torch.empty(0, device=DEVICE)
+    dist.all_reduce(e)
+    assert e.numel() == 0
+    return True
+
+
+def s_async(args):
+    from torch_kiln import _C
+
+    results = {}
+    for which in ("default", "side"):
+        stream = torch.kiln.Stream() if which == "side" else torch.kiln.default_stream(DEVICE)
+        with torch.kiln.stream(stream):
+            t = torch.zeros(1000, device=DEVICE)
+            _C._sleep(200.0)  # device work the collective must wait for
+            t.fill_(RANK + 1.0)
+            start = time.perf_counter()
+            work = dist.all_reduce(t, async_op=True)
+            issue_ms = (time.perf_counter() - start) * 1000
+            fut = work.get_future()
+            work.wait()  # the current stream waits; the host does not
+            wait_ms = (time.perf_counter() - start) * 1000
+            y = t * 2  # ordered after the collective on the current stream
+            check_equal(y, torch.full((1000,), 2.0 * sum(range(1, WORLD + 1))), f"async on {which} stream")
+            value = fut.wait()
+            assert work.is_completed()
+            assert isinstance(value, list) and value[0] is t or torch.equal(value[0].cpu(), t.cpu())
+        results[which] = {"issue_ms": issue_ms, "wait_ms": wait_ms}
+        assert issue_ms < 150, f"all_reduce(async_op=True) blocked the host for {issue_ms:.0f} ms"
+        assert wait_ms < 150, f"Work.wait() blocked the host for {wait_ms:.0f} ms"
+    # The caching allocator keeps a freed input for the collective.
+    torch.kiln.synchronize()
+    _C._sleep(200.0)
+    t = torch.full((4096,), float(RANK + 1), device=DEVICE)
+    work = dist.all_reduce(t, async_op=True)
+    ptr = t.data_ptr()
+    del t
+    u = torch.zeros(4096, device=DEVICE)  # must not reuse the collective's memory
+    assert u.data_ptr() != ptr, "the caching allocator reused memory a collective still uses"
+    work.wait()
+    torch.kiln.synchronize()
+    dist.barrier()
+    return results
+
+
+def s_other_device(args):
+    dev = torch.device("kiln", args["device"])
+    parts = [make_input(r, (16,), torch.float32, seed=11) for r in range(WORLD)]
+    t = parts[RANK].to(dev)
+    dist.all_reduce(t)
+    check_equal(t, reference(parts, R.SUM), f"all_reduce on {dev}")
+    out = torch.empty(WORLD * 16, device=dev)
+    dist.all_gather_into_tensor(out, parts[RANK].to(dev))
+    check_equal(out, torch.cat(parts), f"all_gather_into_tensor on {dev}")
+    return str(dev)
+
+
+def expect_error(kind, fragments, fn):
+    try:
+        fn()
+    except kind as e:
+        text = str(e)
+        for f in fragments:
+            assert f in text, f"error message lacks {f!r}: {text}"
+        return text
+    raise AssertionError(f"expected {kind.__name__} containing {fragments}")
+
+
+def s_errors(args):
+    messages = {}
+    f = torch.ones(4, device=DEVICE)
+    i = torch.ones(4, dtype=torch.int64, device=DEVICE)
+    messages["band_float"] = expect_error(ValueError, ["BAND", "integer or bool", "Float"],
+                                          lambda: dist.all_reduce(f, op=R.BAND))
+    messages["avg_int"] = expect_error(ValueError, ["AVG", "floating-point", "Long"],
+                                       lambda: dist.all_reduce(i, op=R.AVG))
+    messages["cpu_tensor"] = expect_error(RuntimeError, ["cpu"], lambda: dist.all_reduce(torch.ones(4)))
+    other = torch.device("kiln", 1 - DEVICE.index) if torch.kiln.device_count() > 1 else DEVICE
+    if other != DEVICE:
+        messages["mixed_devices"] = expect_error(
+            ValueError, ["one kiln device"],
+            lambda: dist.all_gather([torch.empty(4, device=DEVICE), torch.empty(4, device=other)][:WORLD]
+                                    + [torch.empty(4, device=DEVICE)] * (WORLD - 2),
+                                    torch.ones(4, device=DEVICE)))
+    messages["list_length"] = expect_error(
+        ValueError, ["output list has", str(WORLD)],
+        lambda: dist.all_gather([torch.empty(4, device=DEVICE)] * (WORLD + 1), f))
+    messages["gather_size"] = expect_error(
+        ValueError, ["world_size"],
+        lambda: dist.all_gather_into_tensor(torch.empty(3, device=DEVICE), f))
+    messages["dtype"] = expect_error(
+        ValueError, ["same dtype"],
+        lambda: dist.all_gather_into_tensor(torch.empty(4 * WORLD, dtype=torch.int64, device=DEVICE), f))
+    # The group still works after refused calls (nothing was issued).
+    t = torch.ones(4, device=DEVICE)
+    dist.all_reduce(t)
+    check_equal(t, torch.full((4,), float(WORLD)), "all_reduce after refused calls")
+    return messages
+
+
+def s_timeout(args):
+    """Rank 0 runs an all_reduce rank 1 never joins."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    out = {}
+    if RANK == 0:
+        t = torch.ones(8, device=DEVICE)
+        start = time.perf_counter()
+        work = dist.all_reduce(t, group=group, async_op=True)
+        work.wait()  # the host does not block: the failure shows later
+        fragments = ["all_reduce", "sequence number 1", "Float[8]", "ranks [1] did not arrive", "timed out"]
+        out["read"] = expect_error(RuntimeError, fragments, lambda: t.cpu())
+        out["seconds"] = time.perf_counter() - start
+        out["sync"] = expect_error(RuntimeError, ["all_reduce"], lambda: torch.kiln.synchronize())
+        out["work"] = expect_error(dist.DistBackendError, fragments, lambda: work.wait())
+        out["future"] = expect_error(Exception, ["all_reduce"], lambda: work.get_future().wait())
+        out["later"] = expect_error(dist.DistBackendError, ["unusable"], lambda: dist.all_reduce(t, group=group))
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return out
+
+
+def s_mismatch(args):
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    t = torch.ones(4 + 4 * RANK, device=DEVICE)
+    dist.all_reduce(t, group=group)
+    text = expect_error(RuntimeError, ["mismatched collectives"], lambda: t.cpu())
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return text
+
+
+def s_groups(args):
+    """Process groups made with other backend strings, and sub-groups."""
+    out = {}
+    for backend in ("kccl", "cpu:gloo,kiln:kccl"):
+        g = dist.new_group(backend=backend)
+        t = torch.full((3,), float(RANK + 1), device=DEVICE)
+        dist.all_reduce(t, group=g)
+        check_equal(t, torch.full((3,), float(sum(range(1, WORLD + 1)))), f"all_reduce in a {backend} group")
+        if backend.startswith("cpu:"):
+            c = torch.full((3,), float(RANK + 1))
+            dist.all_reduce(c, group=g)  # CPU tensors go to gloo
+            check_equal(c, torch.full((3,), float(sum(range(1, WORLD + 1)))), "gloo all_reduce")
+        out[backend] = dist.get_backend(g)
+        dist.destroy_process_group(g)
+    if WORLD > 2:
+        sub = dist.new_group(ranks=[0, 1])
+        if RANK in (0, 1):
+            t = torch.full((2,), float(RANK + 1), device=DEVICE)
+            dist.all_reduce(t, group=sub)
+            check_equal(t, torch.full((2,), 3.0), "all_reduce in a sub-group")
+        dist.destroy_process_group(sub)
+    dist.barrier()
+    return out
+
+
+def s_shm_names(args):
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
+
+
+SCENARIOS = {name[2:]: fn for name, fn in globals().items() if name.startswith("s_")}
+
+
+def main() -> None:
+    torch.kiln.set_device(DEVICE)
+    backend = os.environ.get("KCCL_TEST_BACKEND") or None
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=60))
+    print("KCCL-RESULT " + json.dumps({"ok": True, "result": "ready"}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["scenario"] == "exit":
+            break
+        try:
+            result = SCENARIOS[command["scenario"]](command.get("args", {}))
+            reply = {"ok": True, "result": result}
+        except BaseException:  # noqa: BLE001 - reported to the test
+            reply = {"ok": False, "error": traceback.format_exc()}
+        print("KCCL-RESULT " + json.dumps(reply, default=str), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

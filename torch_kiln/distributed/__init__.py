@@ -1,0 +1,85 @@
+"""torch.distributed on kiln: the ``kccl`` c10d backend.
+
+``kccl`` is to kiln what NCCL is to CUDA: the communication backend of
+``torch.distributed`` for kiln tensors, a C++ ``c10d::Backend``
+(``torch_kiln/csrc/distributed/ProcessGroupKCCL.h``). It is registered when
+``torch_kiln`` loads (``import torch`` is enough), for the ``kiln`` device, so::
+
+    import torch, torch.distributed as dist
+    dist.init_process_group()                          # kiln:kccl (the accelerator's default)
+    dist.init_process_group(backend="kccl")            # the same, by name
+    dist.init_process_group(backend="cpu:gloo,kiln:kccl")  # CPU tensors too
+    dist.get_default_backend_for_device("kiln")        # 'kccl'
+
+Each rank is a process using its own kiln device (``kiln:LOCAL_RANK``: set
+``KILN_DEVICE_COUNT`` to at least the number of ranks per host and call
+``torch.kiln.set_device(local_rank)``). Ranks of one host exchange data
+through POSIX shared memory; every collective is a task on a kiln
+communication stream, ordered after the caller's current stream, as NCCL's
+are on CUDA streams. See docs/distributed.md for what works and what does
+not yet.
+
+Environment:
+    ``KCCL_SHM_SLOT_BYTES``: bytes of each rank's shared-memory slot (default
+    4 MiB, 4096 .. 2**30, a multiple of 64); larger collectives run in chunks.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+__all__ = ["BACKEND_NAME", "is_registered"]
+
+BACKEND_NAME = "kccl"
+_registered = False
+
+
+def _create_backend(dist_backend_opts, backend_options):
+    """The ``kccl`` creator c10d calls (``extended_api=True``) for each new
+    process group: returns a ``torch._C._distributed_c10d.Backend``.
+
+    ``dist_backend_opts``: c10d's ``_DistributedBackendOptions`` (store,
+    group_rank, group_size, timeout, group_id). ``backend_options`` is unused
+    (kccl has no options of its own yet).
+
+    Raises torch.distributed.DistBackendError if the ranks cannot set up their
+    shared memory within the timeout."""
+    from torch_kiln import _C
+
+    timeout = dist_backend_opts.timeout
+    if isinstance(timeout, datetime.timedelta):
+        timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    else:
+        timeout_ms = max(1, int(timeout))
+    return _C._kccl_create_backend(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        timeout_ms,
+        str(dist_backend_opts.group_id),
+    )
+
+
+def is_registered() -> bool:
+    """True once ``kccl`` is registered with torch.distributed."""
+    return _registered
+
+
+def register() -> None:
+    """Registers ``kccl`` with ``torch.distributed.Backend`` for the
+    ``kiln`` device (idempotent; called when ``torch_kiln`` loads). Does
+    nothing where this PyTorch build has no distributed support."""
+    global _registered
+    if _registered:
+        return
+    # `import torch` imports torch.distributed already, so this is free.
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["kiln"]
+    )
+    _registered = True
