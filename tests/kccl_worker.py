@@ -362,6 +362,50 @@ def s_groups(args):
     return out
 
 
+def s_ddp(args):
+    """DistributedDataParallel on kiln against one process with the global batch."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
+    model = torch.nn.Sequential(*layers)
+    ref = torch.nn.Sequential(*[type(m)(m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else m for m in layers])
+    ref.load_state_dict(model.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model.to(DEVICE), bucket_cap_mb=0.004, **args.get("ddp_kwargs", {}))  # several buckets
+    if args.get("hook") == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    b = 4
+    losses = []
+    for step in range(args.get("steps", 5)):
+        x = torch.randn(WORLD * b, 8, generator=g)
+        y = torch.randn(WORLD * b, 4, generator=g)
+        opt.zero_grad()
+        if args.get("no_sync") and step % 2 == 0:
+            with ddp.no_sync():  # accumulate locally, all_reduce on the next step
+                ((ddp(x[RANK * b:(RANK + 1) * b].to(DEVICE)) - y[RANK * b:(RANK + 1) * b].to(DEVICE)) ** 2).mean().backward()
+            ropt.zero_grad()
+            (sum(((ref(x[k * b:(k + 1) * b]) - y[k * b:(k + 1) * b]) ** 2).mean() for k in range(WORLD)) / WORLD).backward()
+            x = torch.randn(WORLD * b, 8, generator=g)
+            y = torch.randn(WORLD * b, 4, generator=g)
+        else:
+            ropt.zero_grad()
+        loss = ((ddp(x[RANK * b:(RANK + 1) * b].to(DEVICE)) - y[RANK * b:(RANK + 1) * b].to(DEVICE)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        rloss = sum(((ref(x[k * b:(k + 1) * b]) - y[k * b:(k + 1) * b]) ** 2).mean() for k in range(WORLD)) / WORLD
+        rloss.backward()
+        ropt.step()
+        losses.append(rloss.item())
+    tol = args.get("rtol", 1e-5)
+    for p, q in zip(ddp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=tol, atol=tol)
+    return max((p.detach().cpu() - q.detach()).abs().max().item()
+               for p, q in zip(ddp.module.parameters(), ref.parameters()))
+
+
 def s_shm_names(args):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
 

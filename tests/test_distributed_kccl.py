@@ -230,12 +230,21 @@ def test_mismatched_sizes_raise(pool2):
     assert all("mismatched collectives" in t for t in texts)
 
 
+def test_ddp_matches_one_process(pool2):
+    # Several gradient buckets; parameters compared with one process training
+    # on the global batch (DDP averages as grad / world then sums).
+    pool2.run("ddp")
+    pool2.run("ddp", no_sync=True, steps=6)
+    pool2.run("ddp", hook="fp16", rtol=1e-2)
+
+
 def test_three_ranks(pool3):
     infos = pool3.run("backend_info")
     assert [i["device"] for i in infos] == ["kiln:0", "kiln:1", "kiln:2"]
     pool3.run("all_reduce_ops", dtypes=["float32", "bfloat16", "float16", "int64", "bool"])
     pool3.run("collectives")
     pool3.run("groups")
+    pool3.run("ddp")
 
 
 def test_killed_rank_leaks_no_segments():

@@ -27,6 +27,7 @@ Environment:
 from __future__ import annotations
 
 import datetime
+import functools
 
 import torch
 
@@ -62,6 +63,48 @@ def _create_backend(dist_backend_opts, backend_options):
     )
 
 
+# Note [kccl as the default backend of an undefined group]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `init_process_group()` with neither `backend` nor `device_id` makes a
+# group with backend "undefined": PyTorch 2.13 then creates the accelerator's
+# default backend (kiln:kccl, from Backend.default_device_backend_map) but
+# marks the group's *default backend type* as NCCL if NCCL is in the map and
+# Gloo otherwise (distributed_c10d._new_process_group_helper). On a kiln
+# machine there is no Gloo backend in that group, so everything that asks the
+# group for its default backend from C++ (DDP's constructor logs
+# `getBackendName()`; `_has_hooks`) fails with "Could not find backend type 1
+# for Process Group with name gloo". kiln wraps the helper: when the group it
+# made says Gloo is its default but has no CPU backend and has a kiln one,
+# the default becomes that (CUSTOM) backend, as `backend="kccl"` would have
+# set it. The wrapper changes nothing else, and nothing for other groups.
+
+
+def _has_backend(pg, device: str) -> bool:
+    try:
+        pg._get_backend(torch.device(device))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _wrap_process_group_helper(c10d) -> None:
+    original = c10d._new_process_group_helper
+    if getattr(original, "_kiln_default_backend_fix", False):
+        return
+
+    @functools.wraps(original)
+    def helper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        pg = result[0] if isinstance(result, tuple) else result
+        if isinstance(pg, c10d.ProcessGroup) and pg._get_backend_name() == "gloo":
+            if _has_backend(pg, "kiln") and not _has_backend(pg, "cpu"):
+                pg._set_default_backend(c10d.ProcessGroup.BackendType.CUSTOM)
+        return result
+
+    helper._kiln_default_backend_fix = True
+    c10d._new_process_group_helper = helper
+
+
 def is_registered() -> bool:
     """True once ``kccl`` is registered with torch.distributed."""
     return _registered
@@ -82,4 +125,8 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["kiln"]
     )
+    # Note [kccl as the default backend of an undefined group]
+    import torch.distributed.distributed_c10d as c10d
+
+    _wrap_process_group_helper(c10d)
     _registered = True
