@@ -406,6 +406,70 @@ def s_ddp(args):
                for p, q in zip(ddp.module.parameters(), ref.parameters()))
 
 
+def s_p2p(args):
+    """send/recv, isend/irecv and batch_isend_irecv between neighbours."""
+    n = args.get("numel", 10)
+    nxt, prv = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    for dtype in [torch.float32, torch.bfloat16, torch.int64, torch.bool]:
+        mine = make_input(RANK, (n,), dtype, seed=21)
+        theirs = make_input(prv, (n,), dtype, seed=21)
+        if WORLD == 2:
+            # blocking, in the order that cannot deadlock however long
+            got = torch.empty(n, dtype=dtype, device=DEVICE)
+            if RANK == 0:
+                dist.send(mine.to(DEVICE), dst=1)
+                dist.recv(got, src=1)
+            else:
+                dist.recv(got, src=0)
+                dist.send(mine.to(DEVICE), dst=0)
+            check_equal(got, theirs, f"send/recv {dtype}")
+        # a ring with batch_isend_irecv
+        got = torch.empty(n, dtype=dtype, device=DEVICE)
+        ops = [dist.P2POp(dist.isend, mine.to(DEVICE), nxt), dist.P2POp(dist.irecv, got, prv)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        check_equal(got, theirs, f"batch_isend_irecv ring {dtype}")
+    # isend then irecv, ungrouped: fine while a message fits in one chunk (a
+    # longer isend waits for its irecv, as with NCCL); a recv into a strided view
+    m = 10
+    base = torch.zeros(m, 2, device=DEVICE)
+    w1 = dist.isend(torch.arange(m, dtype=torch.float32, device=DEVICE) + RANK, dst=nxt)
+    w2 = dist.irecv(base[:, 1], src=prv)
+    w1.wait()
+    w2.wait()
+    check_equal(base[:, 1], torch.arange(m, dtype=torch.float32) + prv, "irecv into a strided view")
+    check_equal(base[:, 0], torch.zeros(m), "irecv leaves the rest of the base alone")
+    # collectives stay aligned after point-to-point traffic (separate numbering)
+    t = torch.ones(3, device=DEVICE)
+    dist.all_reduce(t)
+    check_equal(t, torch.full((3,), float(WORLD)), "all_reduce after send/recv")
+    return True
+
+
+def s_p2p_errors(args):
+    out = {}
+    t = torch.ones(4, device=DEVICE)
+    out["self"] = expect_error(ValueError, [], lambda: dist.send(t, dst=RANK))
+    out["range"] = expect_error((ValueError, RuntimeError), [], lambda: dist.send(t, dst=WORLD + 3))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    if RANK == 0:
+        dist.send(torch.ones(8, device=DEVICE), dst=1, group=group)
+    elif RANK == 1:
+        got = torch.empty(4, device=DEVICE)
+        dist.recv(got, src=0, group=group)
+        out["mismatch"] = expect_error(RuntimeError, ["mismatched send/recv", "8 elements"], lambda: got.cpu())
+    dist.destroy_process_group(group)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    if RANK == 1:
+        got = torch.empty(4, device=DEVICE)
+        dist.recv(got, src=0, group=group)  # rank 0 never sends
+        out["timeout"] = expect_error(RuntimeError, ["recv (sequence number 1", "ranks [0] did not arrive",
+                                                     "no matching send"], lambda: got.cpu())
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return out
+
+
 def s_shm_names(args):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
 

@@ -230,6 +230,17 @@ def test_mismatched_sizes_raise(pool2):
     assert all("mismatched collectives" in t for t in texts)
 
 
+def test_send_recv(pool2):
+    pool2.run("p2p")
+    # 64 KiB slots give 32 KiB per pair: 20_000 float32 elements are 3 chunks.
+    pool2.run("p2p", numel=20_000)
+
+
+def test_send_recv_errors(pool2):
+    out = pool2.run("p2p_errors", seconds=3)
+    assert "mismatch" in out[1] and "timeout" in out[1]
+
+
 def test_ddp_matches_one_process(pool2):
     # Several gradient buckets; parameters compared with one process training
     # on the global batch (DDP averages as grad / world then sums).
@@ -245,6 +256,7 @@ def test_three_ranks(pool3):
     pool3.run("collectives")
     pool3.run("groups")
     pool3.run("ddp")
+    pool3.run("p2p")
 
 
 def test_killed_rank_leaks_no_segments():

@@ -51,19 +51,18 @@ struct KcclShared {
   // Note [kccl issue order]
   std::mutex order_mutex;
   std::condition_variable order_cv;
-  uint64_t finished_seq = 0;
+  uint64_t finished_order = 0;
 
-  void waitTurn(uint64_t seq, Clock::time_point deadline, const char* name) {
+  void waitTurn(uint64_t order, Clock::time_point deadline, const char* name) {
     std::unique_lock<std::mutex> lock(order_mutex);
-    const bool ok = order_cv.wait_until(lock, deadline, [&] { return finished_seq + 1 >= seq; });
-    TORCH_CHECK_WITH(DistBackendError, ok, "kccl: ", name, " (sequence number ", seq,
-                     ") timed out waiting for this rank's earlier collective #", finished_seq + 1,
-                     " to finish");
+    const bool ok = order_cv.wait_until(lock, deadline, [&] { return finished_order + 1 >= order; });
+    TORCH_CHECK_WITH(DistBackendError, ok, "kccl: ", name,
+                     " timed out waiting for an operation this rank issued before it to finish");
   }
   void finishTurn(uint64_t seq) {
     {
       std::lock_guard<std::mutex> lock(order_mutex);
-      finished_seq = std::max(finished_seq, seq);
+      finished_order = std::max(finished_order, seq);
     }
     order_cv.notify_all();
   }
@@ -148,6 +147,8 @@ struct CollectiveCall {
   std::vector<at::Tensor> outputs; // written by the task
   CollectiveDescription what;
   std::chrono::milliseconds timeout{0};
+  bool p2p = false;   // send/recv: numbered apart from collectives, as in NCCL
+  uint64_t order = 0; // issue order on this rank (Note [kccl issue order])
   // Runs inside the task on flat, contiguous host tensors (inputs, outputs).
   std::function<void(ShmGroup&, const CollectiveDescription&, Clock::time_point,
                      std::vector<at::Tensor>&, std::vector<at::Tensor>&)>
@@ -183,10 +184,10 @@ struct CollectiveTask final : at::kiln::TaskBody {
   void run() override {
     const auto deadline = Clock::now() + call.timeout;
     try {
-      shared->waitTurn(call.what.seq, deadline, call.name);
+      shared->waitTurn(call.order, deadline, call.name);
     } catch (...) {
       fail(std::current_exception());
-      shared->finishTurn(call.what.seq);
+      shared->finishTurn(call.order);
       throw;
     }
     try {
@@ -194,10 +195,10 @@ struct CollectiveTask final : at::kiln::TaskBody {
       state->finish(nullptr);
     } catch (...) {
       fail(std::current_exception());
-      shared->finishTurn(call.what.seq);
+      shared->finishTurn(call.order);
       throw;
     }
-    shared->finishTurn(call.what.seq);
+    shared->finishTurn(call.order);
   }
 
   void execute(Clock::time_point deadline) {
@@ -265,21 +266,24 @@ struct CollectiveTask final : at::kiln::TaskBody {
   }
 
   void skipped() override {
-    const std::string reason = std::string("kccl: ") + call.name + " (sequence number " +
-                               std::to_string(call.what.seq) +
-                               ") was skipped because an earlier task on its communication stream "
-                               "failed";
-    for (const auto& d : outputs) {
-      c10::kiln::markFailedResult(d.data, reason);
-    }
-    shared->group.checkNotBroken();
-    state->finish(std::make_exception_ptr(
-        c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, reason)));
+    // Runs on the release path of the runtime: must not throw.
     try {
-      shared->waitTurn(call.what.seq, Clock::now() + call.timeout, call.name);
+      const std::string reason = std::string("kccl: ") + call.name + " (sequence number " +
+                                 std::to_string(call.what.seq) +
+                                 ") was skipped because an earlier task on its communication "
+                                 "stream failed";
+      for (const auto& d : outputs) {
+        c10::kiln::markFailedResult(d.data, reason);
+      }
+      state->finish(std::make_exception_ptr(
+          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, reason)));
+      shared->waitTurn(call.order, Clock::now() + call.timeout, call.name);
     } catch (...) {
+      if (!state->completed()) {
+        state->finish(std::current_exception());
+      }
     }
-    shared->finishTurn(call.what.seq);
+    shared->finishTurn(call.order);
   }
 
   // No describe(): every failure message of a collective already names it,
@@ -397,7 +401,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::enqueue(CollectiveCall call, bool blo
       c10::kiln::KilnCachingAllocator::recordStream(t.storage().data_ptr(), comm);
     }
   }
-  call.what.seq = ++seq_;
+  call.what.seq = call.p2p ? ++p2p_seq_ : ++seq_;
+  call.order = ++order_;
   auto work = c10::make_intrusive<WorkKCCL>(rank_, call.type, call.name, call.what.seq, device,
                                             call.outputs, blocking);
   auto task = std::make_unique<CollectiveTask>(shared_, std::move(call), work->state());
@@ -411,6 +416,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::enqueue(CollectiveCall call, bool blo
   }
   work->doneEvent().record(comm);
   shared_->push(work);
+  if (coalescing_) {
+    coalesced_last_ = work;
+  }
   return work;
 }
 
@@ -743,6 +751,97 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {
   };
   // dist.barrier() blocks the host, as NCCL's barrier does.
   return enqueue(std::move(call), /*blocking=*/true);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::completedWork(c10d::OpType type, const char* name) {
+  auto work = c10::make_intrusive<WorkKCCL>(rank_, type, name, 0,
+                                            c10::Device(c10::DeviceType::PrivateUse1, last_device_),
+                                            std::vector<at::Tensor>{}, /*blocking=*/false);
+  work->state()->finish(nullptr);
+  work->future()->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+  return work;
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::pointToPoint(bool is_send, std::vector<at::Tensor>& tensors,
+                                                        int peer) {
+  const char* name = is_send ? "send" : "recv";
+  checkSingle(tensors, name);
+  checkTensor(tensors[0], name, is_send ? "input" : "output");
+  shared_->group.checkPeer(peer, name);
+  pending_p2p_.push_back({is_send, peer, tensors[0]});
+  if (coalescing_) {
+    // Runs with the rest of the group at endCoalescing().
+    return completedWork(is_send ? OpType::SEND : OpType::RECV, name);
+  }
+  return launchPointToPoint();
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint() {
+  std::vector<PendingP2P> ops = std::move(pending_p2p_);
+  pending_p2p_.clear();
+  const bool single = ops.size() == 1;
+  const char* name = single ? (ops[0].send ? "send" : "recv") : "batch_isend_irecv";
+  std::vector<at::Tensor> all;
+  CollectiveCall call;
+  std::vector<std::pair<bool, int>> plan; // (send, peer), in issue order
+  int64_t total = 0;
+  for (const auto& op : ops) {
+    all.push_back(op.tensor);
+    (op.send ? call.inputs : call.outputs).push_back(op.tensor);
+    plan.emplace_back(op.send, op.peer);
+    total += op.tensor.numel();
+  }
+  call.name = name;
+  call.type = single ? (ops[0].send ? OpType::SEND : OpType::RECV) : OpType::COALESCED;
+  call.device = commonDevice(all, name);
+  call.what = {name, 0, static_cast<int32_t>(call.type),
+               single ? static_cast<int32_t>(ops[0].tensor.scalar_type()) : -1, total,
+               single ? ops[0].peer : -1, -1,
+               single ? describeTensor(ops[0].tensor) : std::to_string(ops.size()) + " transfers"};
+  call.timeout = timeout_;
+  call.p2p = true;
+  call.body = [plan](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                     std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+    std::vector<P2PTransfer> transfers;
+    size_t next_in = 0;
+    size_t next_out = 0;
+    for (const auto& [is_send, peer] : plan) {
+      const at::Tensor& t = is_send ? in[next_in++] : out[next_out++];
+      transfers.push_back({is_send, peer, bytes(t), t.numel(), static_cast<int64_t>(t.element_size()),
+                           static_cast<int32_t>(t.scalar_type()), describeTensor(t)});
+    }
+    g.exchange(what, transfers, deadline);
+  };
+  return enqueue(std::move(call), /*blocking=*/false);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                                int /*tag: ignored, as by NCCL*/) {
+  return pointToPoint(/*is_send=*/true, tensors, dst_rank);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                                int /*tag: ignored, as by NCCL*/) {
+  return pointToPoint(/*is_send=*/false, tensors, src_rank);
+}
+
+void ProcessGroupKCCL::startCoalescing() {
+  TORCH_CHECK_VALUE(!coalescing_, "kccl: startCoalescing() called twice without endCoalescing()");
+  coalescing_ = true;
+  coalesced_last_.reset();
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::endCoalescing() {
+  TORCH_CHECK_VALUE(coalescing_, "kccl: endCoalescing() without startCoalescing()");
+  coalescing_ = false;
+  if (!pending_p2p_.empty()) {
+    return launchPointToPoint();
+  }
+  // Collectives inside the block ran as issued; the last one's Work stands
+  // for all (they share the in-order communication stream).
+  auto last = std::move(coalesced_last_);
+  coalesced_last_.reset();
+  return last ? last : completedWork(OpType::COALESCED, "coalesced");
 }
 
 } // namespace c10d::kiln

@@ -77,16 +77,44 @@ class ProcessGroupKCCL : public c10d::Backend {
       at::Tensor& output, at::Tensor& input,
       const ReduceScatterOptions& opts = ReduceScatterOptions()) override;
   c10::intrusive_ptr<Work> barrier(const BarrierOptions& opts = BarrierOptions()) override;
+  // Point-to-point through shared memory (Note [kccl point-to-point] in
+  // ShmGroup.h). `tag` is ignored, as NCCL ignores it. A send that does not
+  // fit in one chunk (KCCL_SHM_SLOT_BYTES / world size) waits for its recv.
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+
+  // Coalescing (batch_isend_irecv): sends and recvs issued between
+  // startCoalescing() and endCoalescing() run as one task whose transfers
+  // progress together; endCoalescing() returns its Work. Collectives issued
+  // inside the block run as they are issued.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<Work> endCoalescing() override;
 
  private:
+  struct PendingP2P {
+    bool send;
+    int peer;
+    at::Tensor tensor;
+  };
+
   c10::intrusive_ptr<Work> enqueue(CollectiveCall call, bool blocking);
+  c10::intrusive_ptr<Work> pointToPoint(bool is_send, std::vector<at::Tensor>& tensors, int peer);
+  c10::intrusive_ptr<Work> launchPointToPoint();
+  // A Work that is already complete (placeholders inside a coalesced block).
+  c10::intrusive_ptr<Work> completedWork(c10d::OpType type, const char* name);
   std::chrono::milliseconds timeoutFor(std::chrono::milliseconds requested) const;
 
   std::shared_ptr<KcclShared> shared_;
   std::chrono::milliseconds timeout_;
-  uint64_t seq_ = 0;
+  uint64_t seq_ = 0;     // collectives' sequence numbers (compared across ranks)
+  uint64_t p2p_seq_ = 0; // send/recv's, numbered apart as in NCCL
+  uint64_t order_ = 0;   // every operation, in issue order (Note [kccl issue order])
   std::mutex issue_mutex_;
   c10::DeviceIndex last_device_ = 0; // barrier's device: the last one used
+  bool coalescing_ = false;
+  std::vector<PendingP2P> pending_p2p_;
+  c10::intrusive_ptr<Work> coalesced_last_;
 };
 
 } // namespace c10d::kiln

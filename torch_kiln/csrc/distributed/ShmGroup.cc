@@ -1,5 +1,6 @@
 #include "distributed/ShmGroup.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -21,8 +22,9 @@
 namespace c10d::kiln {
 
 namespace {
+constexpr int kMaxP2PRanks = 128;
 constexpr uint64_t kMagic = 0x6b63636c73686d31ULL; // "kcclshm1"
-constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kHeaderBytes = 8192;
 constexpr size_t kDefaultSlotBytes = size_t{4} << 20;
 constexpr size_t kMinSlotBytes = size_t{4} << 10;
 constexpr size_t kMaxSlotBytes = size_t{1} << 30;
@@ -48,6 +50,13 @@ struct ShmGroup::Header {
   int32_t root;
   int32_t reduce_op;
   char name[32];
+  // Point-to-point (Note [kccl point-to-point]), indexed by the peer rank:
+  // chunks this rank has posted to the peer, chunks it has taken from the
+  // peer, and what the message being posted to the peer holds.
+  alignas(64) std::atomic<uint64_t> p2p_posted[kMaxP2PRanks];
+  alignas(64) std::atomic<uint64_t> p2p_taken[kMaxP2PRanks];
+  int64_t p2p_numel[kMaxP2PRanks];
+  int32_t p2p_dtype[kMaxP2PRanks];
 };
 static_assert(sizeof(ShmGroup::Header) <= kHeaderBytes);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
@@ -98,7 +107,8 @@ ShmGroup::ShmGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
                    std::chrono::milliseconds timeout, const std::string& tag, size_t slot_bytes)
     : rank_(rank), size_(size), slot_bytes_(slot_bytes), timeout_(timeout) {
   segments_.resize(size);
-  const size_t bytes = kHeaderBytes + slot_bytes;
+  // header, the collectives' slot, then the point-to-point slots
+  const size_t bytes = kHeaderBytes + 2 * slot_bytes;
   segments_[rank] = ShmSegment::create(uniqueSegmentName(rank), bytes);
   auto* own = new (segments_[rank].data()) Header{};
   own->magic = kMagic;
@@ -150,6 +160,15 @@ char* ShmGroup::slot(int r) const {
   return static_cast<char*>(segments_[r].data()) + kHeaderBytes;
 }
 
+size_t ShmGroup::p2pSlotBytes() const noexcept {
+  return (slot_bytes_ / static_cast<size_t>(size_)) / 64 * 64;
+}
+
+char* ShmGroup::p2pSlot(int owner, int peer) const {
+  return static_cast<char*>(segments_[owner].data()) + kHeaderBytes + slot_bytes_ +
+         static_cast<size_t>(peer) * p2pSlotBytes();
+}
+
 bool ShmGroup::broken() const {
   std::lock_guard<std::mutex> lock(error_mutex_);
   return !first_error_.empty();
@@ -184,6 +203,56 @@ void ShmGroup::enter(const CollectiveDescription& what) {
   own->entered_seq.store(what.seq, std::memory_order_release);
 }
 
+bool ShmGroup::spinUntil(const std::function<bool()>& arrived, Clock::time_point deadline) {
+  // Spin (the peers are usually there within microseconds), then yield, then
+  // sleep with growing pauses so that waiting ranks leave the cores to the
+  // ranks that still compute (2 ranks on 2 cores is a normal set-up).
+  for (int i = 0; i < 2000; ++i) {
+    if (arrived()) {
+      return true;
+    }
+    KCCL_CPU_RELAX();
+  }
+  auto pause = std::chrono::microseconds(0);
+  const auto started = Clock::now();
+  while (!arrived()) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      return false;
+    }
+    if (now - started < std::chrono::microseconds(200)) {
+      std::this_thread::yield();
+    } else {
+      pause = std::min(std::chrono::microseconds(1000), pause + std::chrono::microseconds(20));
+      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
+    }
+  }
+  return true;
+}
+
+std::string ShmGroup::timeoutMessage(const CollectiveDescription& what, const std::vector<int>& missing,
+                                     const char* stage) const {
+  std::ostringstream ranks;
+  std::ostringstream last;
+  for (size_t k = 0; k < missing.size(); ++k) {
+    const int r = missing[k];
+    const uint64_t seq = header(r)->entered_seq.load(std::memory_order_acquire);
+    ranks << (k == 0 ? "" : ", ") << r;
+    last << (k == 0 ? "" : "; ") << "rank " << r << ": "
+         << (seq == 0 ? std::string("none") : "#" + std::to_string(seq));
+  }
+  std::ostringstream message;
+  message << "kccl: " << what.name << " (sequence number " << what.seq;
+  if (!what.shape.empty()) {
+    message << ", " << what.shape;
+  }
+  message << ") timed out on rank " << rank_ << " after " << timeout_.count()
+          << " ms (the process group's timeout): ranks [" << ranks.str() << "] did not arrive ("
+          << stage << "; last operation they entered: " << last.str()
+          << "). A rank may have crashed, be stuck, or be running a different collective.";
+  return message.str();
+}
+
 void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDescription& what,
                        Clock::time_point deadline, const char* stage) {
   auto value = [&](int r) {
@@ -198,55 +267,14 @@ void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDesc
     }
     return true;
   };
-  // Spin (the peers are usually there within microseconds), then yield, then
-  // sleep with growing pauses so that waiting ranks leave the cores to the
-  // ranks that still compute (2 ranks on 2 cores is a normal set-up).
-  for (int i = 0; i < 2000; ++i) {
-    if (arrived()) {
-      return;
-    }
-    KCCL_CPU_RELAX();
-  }
-  auto pause = std::chrono::microseconds(0);
-  const auto started = Clock::now();
-  while (!arrived()) {
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      std::ostringstream missing;
-      bool first = true;
-      for (int r = 0; r < size_; ++r) {
-        if (value(r) < target) {
-          missing << (first ? "" : ", ") << r;
-          first = false;
-        }
+  if (!spinUntil(arrived, deadline)) {
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (value(r) < target) {
+        missing.push_back(r);
       }
-      std::ostringstream last;
-      first = true;
-      for (int r = 0; r < size_; ++r) {
-        if (value(r) < target) {
-          const uint64_t seq = header(r)->entered_seq.load(std::memory_order_acquire);
-          last << (first ? "" : "; ") << "rank " << r << ": "
-               << (seq == 0 ? std::string("none") : "#" + std::to_string(seq));
-          first = false;
-        }
-      }
-      std::ostringstream message;
-      message << "kccl: " << what.name << " (sequence number " << what.seq;
-      if (!what.shape.empty()) {
-        message << ", " << what.shape;
-      }
-      message << ") timed out on rank " << rank_ << " after " << timeout_.count()
-              << " ms (the process group's timeout): ranks [" << missing.str()
-              << "] did not arrive (" << stage << "; last collective they entered: " << last.str()
-              << "). A rank may have crashed, be stuck, or be running a different collective.";
-      breakWith(message.str());
     }
-    if (now - started < std::chrono::microseconds(200)) {
-      std::this_thread::yield();
-    } else {
-      pause = std::min(std::chrono::microseconds(1000), pause + std::chrono::microseconds(20));
-      std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
-    }
+    breakWith(timeoutMessage(what, missing, stage));
   }
 }
 
@@ -304,6 +332,108 @@ void ShmGroup::step(const CollectiveDescription& what, Clock::time_point deadlin
     breakWith(std::string("kccl: ") + what.name + " failed while reducing: " + messageOf(e));
   }
   own->done.store(s, std::memory_order_release);
+}
+
+} // namespace c10d::kiln
+
+namespace c10d::kiln {
+
+void ShmGroup::checkPeer(int peer, const char* op) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "kccl: ", op, ": invalid peer rank ",
+                    peer, " (the group has ranks 0 to ", size_ - 1, ", and rank ", rank_,
+                    " cannot address itself)");
+  TORCH_CHECK_VALUE(size_ <= kMaxP2PRanks, "kccl: ", op, " needs a group of at most ", kMaxP2PRanks,
+                    " ranks, this one has ", size_);
+}
+
+void ShmGroup::exchange(const CollectiveDescription& what, std::vector<P2PTransfer>& transfers,
+                        Clock::time_point deadline) {
+  checkNotBroken();
+  const int64_t slot = static_cast<int64_t>(p2pSlotBytes());
+  for (const auto& t : transfers) {
+    checkPeer(t.peer, t.send ? "send" : "recv");
+    TORCH_CHECK(slot / t.element_size > 0, "kccl: the point-to-point slot is too small for one element");
+  }
+  Header* own = header(rank_);
+  std::vector<int64_t> offset(transfers.size(), 0);
+  std::vector<bool> done(transfers.size(), false);
+  size_t remaining = transfers.size();
+  // Only the first unfinished transfer of each (peer, direction) may move:
+  // messages of a pair arrive in issue order.
+  auto active = [&](size_t k) {
+    for (size_t j = 0; j < k; ++j) {
+      if (!done[j] && transfers[j].peer == transfers[k].peer && transfers[j].send == transfers[k].send) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto progress = [&](size_t k) {
+    P2PTransfer& t = transfers[k];
+    const Header* peer = header(t.peer);
+    const int64_t per_chunk = slot / t.element_size;
+    const int64_t n = std::min(per_chunk, t.numel - offset[k]);
+    if (t.send) {
+      const uint64_t chunk = own->p2p_posted[t.peer].load(std::memory_order_relaxed) + 1;
+      if (peer->p2p_taken[rank_].load(std::memory_order_acquire) < chunk - 1) {
+        return false; // the peer still reads the previous chunk
+      }
+      std::memcpy(p2pSlot(rank_, t.peer), t.data + offset[k] * t.element_size, n * t.element_size);
+      own->p2p_numel[t.peer] = t.numel;
+      own->p2p_dtype[t.peer] = t.dtype;
+      own->p2p_posted[t.peer].store(chunk, std::memory_order_release);
+    } else {
+      const uint64_t chunk = own->p2p_taken[t.peer].load(std::memory_order_relaxed) + 1;
+      if (peer->p2p_posted[rank_].load(std::memory_order_acquire) < chunk) {
+        return false; // nothing posted yet
+      }
+      if (peer->p2p_numel[rank_] != t.numel || peer->p2p_dtype[rank_] != t.dtype) {
+        breakWith("kccl: mismatched send/recv: rank " + std::to_string(t.peer) + " sends " +
+                  std::to_string(peer->p2p_numel[rank_]) + " elements of dtype " +
+                  dtypeName(peer->p2p_dtype[rank_]) + " but rank " + std::to_string(rank_) +
+                  " receives " + t.shape + " (" + std::to_string(t.numel) +
+                  " elements); a recv must match its send's number of elements and dtype.");
+      }
+      std::memcpy(t.data + offset[k] * t.element_size, p2pSlot(t.peer, rank_), n * t.element_size);
+      own->p2p_taken[t.peer].store(chunk, std::memory_order_release);
+    }
+    offset[k] += n;
+    if (offset[k] >= t.numel) {
+      done[k] = true;
+      --remaining;
+    }
+    return true;
+  };
+  auto step = [&] {
+    bool moved = false;
+    for (size_t k = 0; k < transfers.size(); ++k) {
+      if (!done[k] && active(k) && progress(k)) {
+        moved = true;
+      }
+    }
+    return moved;
+  };
+  while (remaining > 0) {
+    if (step()) {
+      continue;
+    }
+    if (!spinUntil([&] { return step() || remaining == 0; }, deadline)) {
+      std::vector<int> missing;
+      std::ostringstream stage;
+      for (size_t k = 0; k < transfers.size(); ++k) {
+        if (!done[k]) {
+          const auto& t = transfers[k];
+          if (std::find(missing.begin(), missing.end(), t.peer) == missing.end()) {
+            missing.push_back(t.peer);
+          }
+          stage << (stage.tellp() > 0 ? ", " : "") << (t.send ? "send to rank " : "recv from rank ")
+                << t.peer << " " << t.shape << ": " << offset[k] << " of " << t.numel
+                << " elements moved" << (t.send ? "" : ", no matching send");
+        }
+      }
+      breakWith(timeoutMessage(what, missing, stage.str().c_str()));
+    }
+  }
 }
 
 } // namespace c10d::kiln

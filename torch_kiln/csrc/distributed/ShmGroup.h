@@ -6,7 +6,8 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Set-up (in the constructor, collectively, when the process group is made):
 //   1. each rank creates its own segment, "/kccl-<pid>-<random>-r<rank>",
-//      of 4 KiB header + KCCL_SHM_SLOT_BYTES of data (its "slot");
+//      of an 8 KiB header, KCCL_SHM_SLOT_BYTES of data for collectives (its
+//      "slot"), and as much again for point-to-point messages;
 //   2. it publishes the name in the c10d Store under "<tag>/seg/<rank>"
 //      (the Store is the group's PrefixStore; <tag> counts the kccl groups
 //      this process made with that store, the same on every rank);
@@ -41,6 +42,23 @@
 // the first error, as an aborted NCCL communicator does, because the ranks no
 // longer agree on the step count.
 //
+// Note [kccl point-to-point]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// send/recv do not involve the other ranks, so they do not use steps. The
+// point-to-point area of rank s's segment holds one slot per destination d
+// (KCCL_SHM_SLOT_BYTES / world size bytes). Per ordered pair (s, d), s's
+// header counts the chunks s has posted to d (p2p_posted[d]) and d's header
+// the chunks d has taken from s (p2p_taken[s]). Chunk n: s waits until
+// p2p_taken >= n-1, writes its slot for d, then p2p_posted = n (release);
+// d waits until p2p_posted >= n, checks the message's element count and
+// dtype, copies the chunk out, then p2p_taken = n. So one chunk is buffered
+// per pair: a send that fits in one chunk finishes before its recv runs, a
+// longer one waits for the recv (as an NCCL send may wait for its recv).
+// Sends and recvs issued together (batch_isend_irecv, which coalesces them
+// into one task) progress together, chunk by chunk, so a ring of large
+// messages does not deadlock, as with NCCL's grouped calls.
+// Tags are ignored, as NCCL ignores them; messages of a pair arrive in order.
+//
 // Thread-safety: steps of one group must not run concurrently; ProcessGroupKCCL
 // runs them in issue order (Note [kccl issue order] in ProcessGroupKCCL.cc).
 // `broken()` and `firstError()` may be called from any thread.
@@ -72,6 +90,17 @@ struct CollectiveDescription {
   std::string shape;          // "Float[4, 3]", for messages only
 };
 
+// One send or recv of a point-to-point exchange (ShmGroup::exchange).
+struct P2PTransfer {
+  bool send = true;
+  int peer = -1;
+  char* data = nullptr;      // contiguous host memory (read for send, written for recv)
+  int64_t numel = 0;
+  int64_t element_size = 1;
+  int32_t dtype = -1;        // c10::ScalarType
+  std::string shape;         // "Float[4]", for messages
+};
+
 class ShmGroup {
  public:
   using Clock = std::chrono::steady_clock;
@@ -97,6 +126,17 @@ class ShmGroup {
   void step(const CollectiveDescription& what, Clock::time_point deadline,
             const std::function<void()>& fill, const std::function<void()>& consume);
 
+  // Point-to-point (Note [kccl point-to-point]): runs `transfers` (sends and
+  // recvs, with any peers) together, moving a chunk of whichever can move,
+  // until all are done; transfers of one (peer, direction) move in order.
+  // A recv must match its send's element count and dtype (else a mismatch
+  // error). Throws c10::ValueError for a bad peer, c10::DistBackendError on
+  // the deadline (and breaks the group).
+  void exchange(const CollectiveDescription& what, std::vector<P2PTransfer>& transfers,
+                Clock::time_point deadline);
+  // Throws c10::ValueError unless `peer` is another rank of the group.
+  void checkPeer(int peer, const char* op) const;
+
   // Marks a collective as entered by this rank (for other ranks' timeout messages).
   void enter(const CollectiveDescription& what);
 
@@ -110,6 +150,13 @@ class ShmGroup {
 
  private:
   Header* header(int r) const;
+  size_t p2pSlotBytes() const noexcept;
+  // The slot in `owner`'s segment that carries owner -> peer messages.
+  char* p2pSlot(int owner, int peer) const;
+  // True once `arrived()`; false at the deadline (spin, yield, then sleep).
+  static bool spinUntil(const std::function<bool()>& arrived, Clock::time_point deadline);
+  std::string timeoutMessage(const CollectiveDescription& what, const std::vector<int>& missing,
+                             const char* stage) const;
   // Waits until `value(r) >= target` for every rank r; throws on the deadline.
   void waitAll(bool ready_counter, uint64_t target, const CollectiveDescription& what,
                Clock::time_point deadline, const char* stage);
