@@ -480,7 +480,8 @@ SCENARIOS = {name[2:]: fn for name, fn in globals().items() if name.startswith("
 def main() -> None:
     torch.kiln.set_device(DEVICE)
     backend = os.environ.get("KCCL_TEST_BACKEND") or None
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=60))
+    device_id = DEVICE if os.environ.get("KCCL_TEST_DEVICE_ID") == "1" else None
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=60), device_id=device_id)
     print("KCCL-RESULT " + json.dumps({"ok": True, "result": "ready"}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

@@ -259,10 +259,14 @@ def test_three_ranks(pool3):
     pool3.run("p2p")
 
 
-def test_killed_rank_leaks_no_segments():
-    pool = RankPool(2)
+def test_device_id_and_killed_ranks_leak_nothing():
+    # init_process_group(device_id=kiln:RANK) picks kccl from the device type.
+    pool = RankPool(2, env={"KCCL_TEST_DEVICE_ID": "1"})
     try:
+        infos = pool.run("backend_info")
+        assert [i["backend"] for i in infos] == ["kccl", "kccl"]
+        pool.run("other_device", device=0)
         assert kccl_segments(pool.pids) == []
     finally:
-        pool.kill()
+        pool.kill()  # SIGKILL: no destructor runs
     assert kccl_segments(pool.pids) == []

@@ -210,7 +210,9 @@ struct CollectiveTask final : at::kiln::TaskBody {
         }
       }
     }
-    shared->group.enter(call.what);
+    if (!call.p2p) {
+      shared->group.enter(call.what); // for the other ranks' timeout messages
+    }
     at::kiln::TensorAliaser aliaser(c10::DeviceType::CPU);
     std::vector<at::Tensor> in;
     std::vector<at::Tensor> out;

@@ -340,8 +340,8 @@ namespace c10d::kiln {
 
 void ShmGroup::checkPeer(int peer, const char* op) const {
   TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "kccl: ", op, ": invalid peer rank ",
-                    peer, " (the group has ranks 0 to ", size_ - 1, ", and rank ", rank_,
-                    " cannot address itself)");
+                    peer, " on rank ", rank_, " (the group has ranks 0 to ", size_ - 1,
+                    "; a rank cannot send to or receive from itself)");
   TORCH_CHECK_VALUE(size_ <= kMaxP2PRanks, "kccl: ", op, " needs a group of at most ", kMaxP2PRanks,
                     " ranks, this one has ", size_);
 }
