@@ -270,3 +270,34 @@ def test_device_id_and_killed_ranks_leak_nothing():
     finally:
         pool.kill()  # SIGKILL: no destructor runs
     assert kccl_segments(pool.pids) == []
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+torch.kiln.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group()
+t = torch.full((3,), float(dist.get_rank() + 1), device="kiln")
+dist.all_reduce(t)
+assert torch.equal(t.cpu(), torch.full((3,), 3.0)), t
+print(f"KCCL-OK {dist.get_rank()} {t.device}", flush=True)  # one write: lines never interleave
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_standalone(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = dict(os.environ, KILN_DEVICE_COUNT="2")
+    proc = subprocess.Popen(torchrun, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {COMMAND_TIMEOUT} s\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert sorted(line.split()[2] for line in out.splitlines() if line.startswith("KCCL-OK")) == ["kiln:0", "kiln:1"], out
+    # No segment of a process that has exited (the workers are gone by now).
+    assert [n for n in kccl_segments() if not os.path.exists(f"/proc/{n.split('-')[1]}")] == []
