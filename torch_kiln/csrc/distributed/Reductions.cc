@@ -81,42 +81,47 @@ void reduceInto(at::Tensor& out, const std::vector<at::Tensor>& parts, const c10
     }
     return;
   }
-  out.copy_(parts[0]);
+  if (parts.size() == 1) {
+    out.copy_(parts[0]);
+  }
+  // The first op reads parts[0] and parts[1] and writes `out`, sparing a copy
+  // (the same rounding as copying first: one op per rank either way).
   for (size_t k = 1; k < parts.size(); ++k) {
+    const at::Tensor& acc = k == 1 ? parts[0] : out;
     const at::Tensor& part = parts[k];
     switch (op.op_) {
       case c10d::ReduceOp::SUM:
       case c10d::ReduceOp::AVG:
         if (is_bool) {
-          at::logical_or_out(out, out, part);
+          at::logical_or_out(out, acc, part);
         } else {
-          at::add_out(out, out, part);
+          at::add_out(out, acc, part);
         }
         break;
       case c10d::ReduceOp::PRODUCT:
         if (is_bool) {
-          at::logical_and_out(out, out, part);
+          at::logical_and_out(out, acc, part);
         } else {
-          at::mul_out(out, out, part);
+          at::mul_out(out, acc, part);
         }
         break;
       case c10d::ReduceOp::MIN:
         if (is_bool) {
-          at::logical_and_out(out, out, part);
+          at::logical_and_out(out, acc, part);
         } else {
-          at::minimum_out(out, out, part);
+          at::minimum_out(out, acc, part);
         }
         break;
       case c10d::ReduceOp::MAX:
         if (is_bool) {
-          at::logical_or_out(out, out, part);
+          at::logical_or_out(out, acc, part);
         } else {
-          at::maximum_out(out, out, part);
+          at::maximum_out(out, acc, part);
         }
         break;
-      case c10d::ReduceOp::BAND: at::bitwise_and_out(out, out, part); break;
-      case c10d::ReduceOp::BOR: at::bitwise_or_out(out, out, part); break;
-      case c10d::ReduceOp::BXOR: at::bitwise_xor_out(out, out, part); break;
+      case c10d::ReduceOp::BAND: at::bitwise_and_out(out, acc, part); break;
+      case c10d::ReduceOp::BOR: at::bitwise_or_out(out, acc, part); break;
+      case c10d::ReduceOp::BXOR: at::bitwise_xor_out(out, acc, part); break;
       default: TORCH_CHECK_VALUE(false, "kccl: unsupported ReduceOp ", static_cast<int>(op.op_));
     }
   }
