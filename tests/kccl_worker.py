@@ -332,6 +332,7 @@ def s_mismatch(args):
     t = torch.ones(4 + 4 * RANK, device=DEVICE)
     dist.all_reduce(t, group=group)
     text = expect_error(RuntimeError, ["mismatched collectives"], lambda: t.cpu())
+    expect_error(RuntimeError, ["mismatched collectives"], lambda: torch.kiln.synchronize())
     dist.destroy_process_group(group)
     dist.barrier()
     return text
@@ -406,6 +407,63 @@ def s_ddp(args):
                for p, q in zip(ddp.module.parameters(), ref.parameters()))
 
 
+def s_gather_scatter_alltoall(args):
+    rows = args.get("rows", 3)
+    for dtype in [torch.float32, torch.bfloat16, torch.int64, torch.bool]:
+        parts = [make_input(r, (rows, 2), dtype, seed=31) for r in range(WORLD)]
+        for root in range(WORLD):
+            outs = [torch.empty(rows, 2, dtype=dtype, device=DEVICE) for _ in range(WORLD)] if RANK == root else None
+            dist.gather(parts[RANK].to(DEVICE), gather_list=outs, dst=root)
+            if RANK == root:
+                for r in range(WORLD):
+                    check_equal(outs[r], parts[r], f"gather to {root} from {r} {dtype}")
+            pieces = [make_input(100 + j, (rows, 2), dtype, seed=root) for j in range(WORLD)]
+            out = torch.empty(rows, 2, dtype=dtype, device=DEVICE)
+            dist.scatter(out, scatter_list=[p.to(DEVICE) for p in pieces] if RANK == root else None, src=root)
+            check_equal(out, pieces[RANK], f"scatter from {root} {dtype}")
+        # all_to_all_single, equal splits
+        inputs = [make_input(r, (WORLD * rows, 2), dtype, seed=32) for r in range(WORLD)]
+        out = torch.empty(WORLD * rows, 2, dtype=dtype, device=DEVICE)
+        dist.all_to_all_single(out, inputs[RANK].to(DEVICE))
+        want = torch.cat([inputs[r][RANK * rows:(RANK + 1) * rows] for r in range(WORLD)])
+        check_equal(out, want, f"all_to_all_single {dtype}")
+        # uneven splits: rank r sends rows(r, j) = r + 2j + 1 rows to rank j
+        split = lambda r, j: (r + 2 * j + 1) * rows  # noqa: E731
+        ins = [make_input(r, (sum(split(r, j) for j in range(WORLD)), 2), dtype, seed=33) for r in range(WORLD)]
+        in_splits = [split(RANK, j) for j in range(WORLD)]
+        out_splits = [split(r, RANK) for r in range(WORLD)]
+        out = torch.empty(sum(out_splits), 2, dtype=dtype, device=DEVICE)
+        dist.all_to_all_single(out, ins[RANK].to(DEVICE), output_split_sizes=out_splits,
+                               input_split_sizes=in_splits)
+        want = torch.cat([ins[r][sum(split(r, j) for j in range(RANK)):][:split(r, RANK)] for r in range(WORLD)])
+        check_equal(out, want, f"all_to_all_single uneven {dtype}")
+        # all_to_all with lists of tensors of different sizes
+        outs = [torch.empty(split(r, RANK), 2, dtype=dtype, device=DEVICE) for r in range(WORLD)]
+        dist.all_to_all(outs, [t.to(DEVICE) for t in ins[RANK].split(in_splits)])
+        for r in range(WORLD):
+            check_equal(outs[r], ins[r].split([split(r, j) for j in range(WORLD)])[RANK], f"all_to_all from {r} {dtype}")
+    # splits that disagree between ranks are refused, naming both sides
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args.get("seconds", 5)))
+    bad_in = [1] * WORLD
+    bad_out = [1] * WORLD
+    if RANK == 0:
+        bad_in = [2] + [1] * (WORLD - 1)  # sends 2 rows to itself, fine, but 1 claimed below
+        bad_out = [1] * WORLD  # expects 1 row from itself: mismatch with its own send
+    out = torch.empty(sum(bad_out), 2, device=DEVICE)
+    dist.all_to_all_single(out, torch.ones(sum(bad_in), 2, device=DEVICE), output_split_sizes=bad_out,
+                           input_split_sizes=bad_in, group=group)
+    text = None
+    if RANK == 0:
+        text = expect_error(RuntimeError, ["split sizes must agree"], lambda: out.cpu())
+        # The communication stream's sticky error, raised (once) at the next
+        # synchronization -- or wherever the caching allocator next queries an
+        # event of that stream, as CUDA's does.
+        expect_error(RuntimeError, ["split sizes must agree"], lambda: torch.kiln.synchronize())
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return text
+
+
 def s_p2p(args):
     """send/recv, isend/irecv and batch_isend_irecv between neighbours."""
     n = args.get("numel", 10)
@@ -458,6 +516,7 @@ def s_p2p_errors(args):
         got = torch.empty(4, device=DEVICE)
         dist.recv(got, src=0, group=group)
         out["mismatch"] = expect_error(RuntimeError, ["mismatched send/recv", "8 elements"], lambda: got.cpu())
+        expect_error(RuntimeError, ["mismatched send/recv"], lambda: torch.kiln.synchronize())
     dist.destroy_process_group(group)
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     if RANK == 1:
@@ -465,6 +524,7 @@ def s_p2p_errors(args):
         dist.recv(got, src=0, group=group)  # rank 0 never sends
         out["timeout"] = expect_error(RuntimeError, ["recv (sequence number 1", "ranks [0] did not arrive",
                                                      "no matching send"], lambda: got.cpu())
+        expect_error(RuntimeError, ["no matching send"], lambda: torch.kiln.synchronize())
     dist.destroy_process_group(group)
     dist.barrier()
     return out

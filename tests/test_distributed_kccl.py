@@ -230,6 +230,13 @@ def test_mismatched_sizes_raise(pool2):
     assert all("mismatched collectives" in t for t in texts)
 
 
+def test_gather_scatter_all_to_all(pool2):
+    texts = pool2.run("gather_scatter_alltoall")
+    assert "rank 0 sends 4 elements to rank 0, which expects 2" in texts[0]
+    # 64 KiB slots: pieces of 3_000 x 2 float32 need several steps.
+    pool2.run("gather_scatter_alltoall", rows=3000)
+
+
 def test_send_recv(pool2):
     pool2.run("p2p")
     # 64 KiB slots give 32 KiB per pair: 20_000 float32 elements are 3 chunks.
@@ -257,6 +264,7 @@ def test_three_ranks(pool3):
     pool3.run("groups")
     pool3.run("ddp")
     pool3.run("p2p")
+    pool3.run("gather_scatter_alltoall")
 
 
 def test_device_id_and_killed_ranks_leak_nothing():

@@ -732,6 +732,277 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
+namespace {
+
+// all_to_all's body: piece j of this rank's input goes to rank j, piece r of
+// its output comes from rank r; pieces may differ in size (uneven splits).
+// A first step exchanges the pieces' sizes: each rank checks that what its
+// peers send it matches what it expects, and all agree on the step count.
+void alltoallBody(ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                  std::vector<at::Tensor>& ins, std::vector<at::Tensor>& outs) {
+  const int w = g.size();
+  const int me = g.rank();
+  const int64_t es = static_cast<int64_t>(outs[0].element_size());
+  const int64_t per_piece = static_cast<int64_t>(g.slotBytes()) / (es * w);
+  TORCH_CHECK(per_piece > 0 && static_cast<size_t>(w) * sizeof(int64_t) <= g.slotBytes(),
+              "kccl: all_to_all: the shared-memory slot (KCCL_SHM_SLOT_BYTES) is too small for ", w,
+              " ranks");
+  int64_t largest = 0;
+  g.step(
+      what, deadline,
+      [&] {
+        auto* sizes = reinterpret_cast<int64_t*>(g.slot(me));
+        for (int j = 0; j < w; ++j) {
+          sizes[j] = ins[j].numel();
+        }
+      },
+      [&] {
+        for (int r = 0; r < w; ++r) {
+          const auto* sizes = reinterpret_cast<const int64_t*>(g.slot(r));
+          TORCH_CHECK_VALUE(sizes[me] == outs[r].numel(), "all_to_all: rank ", r, " sends ",
+                            sizes[me], " elements to rank ", me, ", which expects ", outs[r].numel(),
+                            " from it; the split sizes must agree between ranks");
+          for (int j = 0; j < w; ++j) {
+            largest = std::max(largest, sizes[j]);
+          }
+        }
+      });
+  const int64_t steps = std::max<int64_t>(1, (largest + per_piece - 1) / per_piece);
+  for (int64_t k = 0; k < steps; ++k) {
+    const int64_t o = k * per_piece;
+    auto count = [&](const at::Tensor& t) {
+      return std::clamp<int64_t>(t.numel() - o, 0, per_piece);
+    };
+    g.step(
+        what, deadline,
+        [&] {
+          for (int j = 0; j < w; ++j) {
+            std::memcpy(g.slot(me) + j * per_piece * es, bytes(ins[j]) + o * es, count(ins[j]) * es);
+          }
+        },
+        [&] {
+          for (int r = 0; r < w; ++r) {
+            std::memcpy(bytes(outs[r]) + o * es, g.slot(r) + me * per_piece * es, count(outs[r]) * es);
+          }
+        });
+  }
+}
+
+// Pieces of a flat tensor: `splits` rows of `row` elements each, or equal parts.
+std::vector<at::Tensor> splitPieces(const at::Tensor& flat, const std::vector<int64_t>& splits,
+                                    int64_t row, int w) {
+  std::vector<at::Tensor> pieces;
+  int64_t offset = 0;
+  for (int j = 0; j < w; ++j) {
+    const int64_t n = splits.empty() ? flat.numel() / w : splits[j] * row;
+    pieces.push_back(flat.narrow(0, offset, n));
+    offset += n;
+  }
+  return pieces;
+}
+
+void checkSplits(const std::vector<int64_t>& splits, const at::Tensor& t, int w, const char* which) {
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(t.dim() > 0 && t.size(0) % w == 0, "kccl: all_to_all_single: without ",
+                      which, "_split_sizes the ", which, "'s first dimension (",
+                      t.dim() > 0 ? t.size(0) : 0, ") must divide by the world size (", w, ")");
+    return;
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == w, "kccl: all_to_all_single: ", which,
+                    "_split_sizes has ", splits.size(), " entries, the group has ", w, " ranks");
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    TORCH_CHECK_VALUE(s >= 0, "kccl: all_to_all_single: negative split size ", s);
+    total += s;
+  }
+  TORCH_CHECK_VALUE(t.dim() > 0 && total == t.size(0), "kccl: all_to_all_single: ", which,
+                    "_split_sizes add up to ", total, " rows but the ", which, " has ",
+                    t.dim() > 0 ? t.size(0) : 0);
+}
+
+} // namespace
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs,
+                                                  const GatherOptions& opts) {
+  constexpr const char* kName = "gather";
+  checkSingle(inputs, kName);
+  const at::Tensor& t = inputs[0];
+  checkTensor(t, kName, "input");
+  const int root = static_cast<int>(opts.rootRank);
+  checkRoot(opts.rootRank, size_, kName);
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                      "kccl: gather: the root needs a gather_list of ", size_,
+                      " tensors (one per rank)");
+    for (const auto& o : outputs[0]) {
+      checkTensor(o, kName, "output");
+      checkSameDtype(t, o, kName);
+      TORCH_CHECK_VALUE(o.numel() == t.numel(), "kccl: gather: every output tensor must have the "
+                        "input's number of elements (", t.numel(), "), got ", describeTensor(o));
+    }
+    outs = outputs[0];
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                      "kccl: gather: only the root (rank ", root, ") takes a gather_list");
+  }
+  std::vector<at::Tensor> all = outs;
+  all.push_back(t);
+  CollectiveCall call;
+  call.name = kName;
+  call.type = OpType::GATHER;
+  call.device = commonDevice(all, kName);
+  call.inputs = {t};
+  call.outputs = outs;
+  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
+               t.numel(), root, -1, describeTensor(t)};
+  call.timeout = timeoutFor(opts.timeout);
+  call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                     std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+    const int64_t es = static_cast<int64_t>(in[0].element_size());
+    forEachChunk(in[0].numel(), static_cast<int64_t>(g.slotBytes()) / es, [&](int64_t o, int64_t n) {
+      g.step(
+          what, deadline, [&] { std::memcpy(g.slot(g.rank()), bytes(in[0]) + o * es, n * es); },
+          [&] {
+            if (g.rank() == root) {
+              for (int r = 0; r < g.size(); ++r) {
+                std::memcpy(bytes(out[r]) + o * es, g.slot(r), n * es);
+              }
+            }
+          });
+    });
+  };
+  return enqueue(std::move(call), /*blocking=*/false);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const ScatterOptions& opts) {
+  constexpr const char* kName = "scatter";
+  checkSingle(outputs, kName);
+  const at::Tensor& t = outputs[0];
+  checkTensor(t, kName, "output");
+  const int root = static_cast<int>(opts.rootRank);
+  checkRoot(opts.rootRank, size_, kName);
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                      "kccl: scatter: the root needs a scatter_list of ", size_,
+                      " tensors (one per rank)");
+    for (const auto& i : inputs[0]) {
+      checkTensor(i, kName, "input");
+      checkSameDtype(i, t, kName);
+      TORCH_CHECK_VALUE(i.numel() == t.numel(), "kccl: scatter: every input tensor must have the "
+                        "output's number of elements (", t.numel(), "), got ", describeTensor(i));
+    }
+    ins = inputs[0];
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                      "kccl: scatter: only the root (rank ", root, ") takes a scatter_list");
+  }
+  std::vector<at::Tensor> all = ins;
+  all.push_back(t);
+  CollectiveCall call;
+  call.name = kName;
+  call.type = OpType::SCATTER;
+  call.device = commonDevice(all, kName);
+  call.inputs = ins;
+  call.outputs = {t};
+  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
+               t.numel(), root, -1, describeTensor(t)};
+  call.timeout = timeoutFor(opts.timeout);
+  call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                     std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+    const int64_t es = static_cast<int64_t>(out[0].element_size());
+    const int w = g.size();
+    forEachChunk(out[0].numel(), static_cast<int64_t>(g.slotBytes()) / (es * w), [&](int64_t o, int64_t n) {
+      g.step(
+          what, deadline,
+          [&] {
+            if (g.rank() == root) {
+              for (int j = 0; j < w; ++j) {
+                std::memcpy(g.slot(root) + j * n * es, bytes(in[j]) + o * es, n * es);
+              }
+            }
+          },
+          [&] { std::memcpy(bytes(out[0]) + o * es, g.slot(root) + g.rank() * n * es, n * es); });
+    });
+  };
+  return enqueue(std::move(call), /*blocking=*/false);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& output_splits,
+                                                         std::vector<int64_t>& input_splits,
+                                                         const AllToAllOptions& opts) {
+  constexpr const char* kName = "all_to_all_single";
+  checkTensor(input, kName, "input");
+  checkTensor(output, kName, "output");
+  checkSameDtype(input, output, kName);
+  checkSplits(input_splits, input, size_, "input");
+  checkSplits(output_splits, output, size_, "output");
+  if (input_splits.empty() && output_splits.empty()) {
+    TORCH_CHECK_VALUE(input.numel() == output.numel(), "kccl: all_to_all_single: without split "
+                      "sizes the input and output must have the same number of elements, got ",
+                      describeTensor(input), " and ", describeTensor(output));
+  }
+  const int64_t in_row = input.dim() > 0 && input.size(0) > 0 ? input.numel() / input.size(0) : 0;
+  const int64_t out_row = output.dim() > 0 && output.size(0) > 0 ? output.numel() / output.size(0) : 0;
+  CollectiveCall call;
+  call.name = kName;
+  call.type = OpType::ALLTOALL_BASE;
+  call.device = commonDevice({input, output}, kName);
+  call.inputs = {input};
+  call.outputs = {output};
+  // Element counts may differ between ranks (uneven splits): the first step
+  // checks the pieces instead (alltoallBody).
+  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(input.scalar_type()),
+               -1, -1, -1, describeTensor(input)};
+  call.timeout = timeoutFor(opts.timeout);
+  call.body = [in_splits = input_splits, out_splits = output_splits, in_row, out_row](
+                  ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                  std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+    std::vector<at::Tensor> ins = splitPieces(in[0], in_splits, in_row, g.size());
+    std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, g.size());
+    alltoallBody(g, what, deadline, ins, outs);
+  };
+  return enqueue(std::move(call), /*blocking=*/false);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall(std::vector<at::Tensor>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const AllToAllOptions& opts) {
+  constexpr const char* kName = "all_to_all";
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+                    "kccl: all_to_all takes one input and one output tensor per rank (", size_,
+                    " each), got ", inputs.size(), " inputs and ", outputs.size(), " outputs");
+  std::vector<at::Tensor> all;
+  for (const auto& t : inputs) {
+    checkTensor(t, kName, "input");
+    all.push_back(t);
+  }
+  for (const auto& t : outputs) {
+    checkTensor(t, kName, "output");
+    checkSameDtype(inputs[0], t, kName);
+    all.push_back(t);
+  }
+  for (const auto& t : inputs) {
+    checkSameDtype(t, outputs[0], kName);
+  }
+  CollectiveCall call;
+  call.name = kName;
+  call.type = OpType::ALLTOALL;
+  call.device = commonDevice(all, kName);
+  call.inputs = inputs;
+  call.outputs = outputs;
+  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(inputs[0].scalar_type()),
+               -1, -1, -1, describeTensor(inputs[0])};
+  call.timeout = timeoutFor(opts.timeout);
+  call.body = alltoallBody;
+  return enqueue(std::move(call), /*blocking=*/false);
+}
+
 c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {
   constexpr const char* kName = "barrier";
   c10::DeviceIndex device = last_device_;

@@ -76,6 +76,20 @@ class ProcessGroupKCCL : public c10d::Backend {
   c10::intrusive_ptr<Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input,
       const ReduceScatterOptions& opts = ReduceScatterOptions()) override;
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const GatherOptions& opts = GatherOptions()) override;
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const ScatterOptions& opts = ScatterOptions()) override;
+  // all_to_all_single: split sizes count rows (dim 0); empty = equal parts.
+  // Uneven splits must agree between ranks (else a mismatch error).
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_splits,
+                                         std::vector<int64_t>& input_splits,
+                                         const AllToAllOptions& opts = AllToAllOptions()) override;
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                    const AllToAllOptions& opts = AllToAllOptions()) override;
   c10::intrusive_ptr<Work> barrier(const BarrierOptions& opts = BarrierOptions()) override;
   // Point-to-point through shared memory (Note [kccl point-to-point] in
   // ShmGroup.h). `tag` is ignored, as NCCL ignores it. A send that does not

@@ -329,7 +329,7 @@ void ShmGroup::step(const CollectiveDescription& what, Clock::time_point deadlin
       consume();
     }
   } catch (const std::exception& e) {
-    breakWith(std::string("kccl: ") + what.name + " failed while reducing: " + messageOf(e));
+    breakWith(std::string("kccl: ") + what.name + " failed while reading the ranks' data: " + messageOf(e));
   }
   own->done.store(s, std::memory_order_release);
 }
