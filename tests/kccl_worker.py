@@ -452,13 +452,13 @@ def s_gather_scatter_alltoall(args):
     out = torch.empty(sum(bad_out), 2, device=DEVICE)
     dist.all_to_all_single(out, torch.ones(sum(bad_in), 2, device=DEVICE), output_split_sizes=bad_out,
                            input_split_sizes=bad_in, group=group)
-    text = None
-    if RANK == 0:
-        text = expect_error(RuntimeError, ["split sizes must agree"], lambda: out.cpu())
-        # The communication stream's sticky error, raised (once) at the next
-        # synchronization -- or wherever the caching allocator next queries an
-        # event of that stream, as CUDA's does.
-        expect_error(RuntimeError, ["split sizes must agree"], lambda: torch.kiln.synchronize())
+    # Every rank sees the disagreement (each checks every pair).
+    text = expect_error(RuntimeError, ["split sizes must agree", "rank 0 sends 4 elements to rank 0"],
+                        lambda: out.cpu())
+    # The communication stream's sticky error, raised (once) at the next
+    # synchronization -- or wherever the caching allocator next queries an
+    # event of that stream, as CUDA's does.
+    expect_error(RuntimeError, ["split sizes must agree"], lambda: torch.kiln.synchronize())
     dist.destroy_process_group(group)
     dist.barrier()
     return text
@@ -528,6 +528,76 @@ def s_p2p_errors(args):
     dist.destroy_process_group(group)
     dist.barrier()
     return out
+
+
+def s_coalesced(args):
+    ts = [make_input(RANK, (k + 2,), torch.float32, seed=41 + k) for k in range(3)]
+    kiln = [t.to(DEVICE) for t in ts]
+    dist.all_reduce_coalesced(kiln)
+    for k, t in enumerate(kiln):
+        check_equal(t, reference([make_input(r, (k + 2,), torch.float32, seed=41 + k) for r in range(WORLD)], R.SUM),
+                    f"all_reduce_coalesced tensor {k}")
+    # the coalescing manager's fast paths
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    outs = [torch.empty(WORLD * 4, device=DEVICE) for _ in range(2)]
+    with _coalescing_manager(device=DEVICE, async_ops=True) as cm:
+        for k in range(2):
+            dist.all_gather_into_tensor(outs[k], torch.full((4,), float(RANK + k), device=DEVICE))
+    cm.wait()
+    for k in range(2):
+        check_equal(outs[k], torch.cat([torch.full((4,), float(r + k)) for r in range(WORLD)]), "coalesced all_gather")
+    outs = [torch.empty(4, device=DEVICE) for _ in range(2)]
+    with _coalescing_manager(device=DEVICE, async_ops=True) as cm:
+        for k in range(2):
+            dist.reduce_scatter_tensor(outs[k], torch.full((WORLD * 4,), float(RANK + k), device=DEVICE))
+    cm.wait()
+    for k in range(2):
+        check_equal(outs[k], torch.full((4,), float(sum(r + k for r in range(WORLD)))), "coalesced reduce_scatter")
+    return True
+
+
+def s_dtensor_fsdp(args):
+    """DTensor on a 1-D kiln mesh and FSDP2 against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("kiln", (WORLD,))
+    full = make_input(0, (WORLD * 2, 3), torch.float32, seed=51)
+    d = distribute_tensor(full.to(DEVICE), mesh, [Shard(0)])
+    check_equal(d.to_local(), full[RANK * 2:(RANK + 1) * 2], "distribute_tensor Shard(0)")
+    check_equal(d.full_tensor(), full, "DTensor.full_tensor")
+    check_equal(d.redistribute(mesh, [Replicate()]).to_local(), full, "redistribute to Replicate")
+    # per-shard sums, then kccl's all_reduce in rank order
+    shard_sums = [(full[r * 2:(r + 1) * 2] * 2).sum() for r in range(WORLD)]
+    check_equal((d * 2).sum().full_tensor(), reference(shard_sums, R.SUM), "a reduction over a sharded DTensor")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    model.to(DEVICE)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(2)
+    b = 4
+    for _ in range(3):
+        x = torch.randn(WORLD * b, 8, generator=g)
+        y = torch.randn(WORLD * b, 4, generator=g)
+        loss = ((model(x[RANK * b:(RANK + 1) * b].to(DEVICE)) - y[RANK * b:(RANK + 1) * b].to(DEVICE)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rloss = sum(((ref(x[k * b:(k + 1) * b]) - y[k * b:(k + 1) * b]) ** 2).mean() for k in range(WORLD)) / WORLD
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor().cpu(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    return True
 
 
 def s_shm_names(args):

@@ -736,17 +736,19 @@ namespace {
 
 // all_to_all's body: piece j of this rank's input goes to rank j, piece r of
 // its output comes from rank r; pieces may differ in size (uneven splits).
-// A first step exchanges the pieces' sizes: each rank checks that what its
-// peers send it matches what it expects, and all agree on the step count.
+// A first step exchanges the pieces' sizes: every rank checks every pair's
+// sizes, and all agree on the step count.
 void alltoallBody(ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                   std::vector<at::Tensor>& ins, std::vector<at::Tensor>& outs) {
   const int w = g.size();
   const int me = g.rank();
   const int64_t es = static_cast<int64_t>(outs[0].element_size());
   const int64_t per_piece = static_cast<int64_t>(g.slotBytes()) / (es * w);
-  TORCH_CHECK(per_piece > 0 && static_cast<size_t>(w) * sizeof(int64_t) <= g.slotBytes(),
+  TORCH_CHECK(per_piece > 0 && 2 * static_cast<size_t>(w) * sizeof(int64_t) <= g.slotBytes(),
               "kccl: all_to_all: the shared-memory slot (KCCL_SHM_SLOT_BYTES) is too small for ", w,
               " ranks");
+  // Every rank publishes what it sends to and expects from each rank, so
+  // every rank finds a disagreement (and all fail alike, at once).
   int64_t largest = 0;
   g.step(
       what, deadline,
@@ -754,16 +756,18 @@ void alltoallBody(ShmGroup& g, const CollectiveDescription& what, Clock::time_po
         auto* sizes = reinterpret_cast<int64_t*>(g.slot(me));
         for (int j = 0; j < w; ++j) {
           sizes[j] = ins[j].numel();
+          sizes[w + j] = outs[j].numel();
         }
       },
       [&] {
         for (int r = 0; r < w; ++r) {
-          const auto* sizes = reinterpret_cast<const int64_t*>(g.slot(r));
-          TORCH_CHECK_VALUE(sizes[me] == outs[r].numel(), "all_to_all: rank ", r, " sends ",
-                            sizes[me], " elements to rank ", me, ", which expects ", outs[r].numel(),
-                            " from it; the split sizes must agree between ranks");
+          const auto* sends = reinterpret_cast<const int64_t*>(g.slot(r));
           for (int j = 0; j < w; ++j) {
-            largest = std::max(largest, sizes[j]);
+            const int64_t expected = reinterpret_cast<const int64_t*>(g.slot(j))[w + r];
+            TORCH_CHECK_VALUE(sends[j] == expected, "all_to_all: rank ", r, " sends ", sends[j],
+                              " elements to rank ", j, ", which expects ", expected,
+                              " from it; the split sizes must agree between ranks");
+            largest = std::max(largest, sends[j]);
           }
         }
       });
@@ -1001,6 +1005,50 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall(std::vector<at::Tensor>& out
   call.timeout = timeoutFor(opts.timeout);
   call.body = alltoallBody;
   return enqueue(std::move(call), /*blocking=*/false);
+}
+
+// The coalesced forms issue one collective per tensor, in order, on the
+// same communication stream; the last one's Work stands for all of them (its
+// event follows every earlier one, and an earlier failure breaks the group,
+// which fails the later ones too).
+c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                               const AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "kccl: all_reduce_coalesced needs at least one tensor");
+  for (const auto& t : tensors) {
+    checkTensor(t, "all_reduce_coalesced", "input");
+    checkReduceOp(opts.reduceOp, t.scalar_type(), "all_reduce_coalesced");
+  }
+  commonDevice(tensors, "all_reduce_coalesced");
+  c10::intrusive_ptr<Work> last;
+  for (auto& t : tensors) {
+    std::vector<at::Tensor> one = {t};
+    last = allreduce(one, opts);
+  }
+  return last;
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(!inputs.empty() && inputs.size() == outputs.size(),
+                    "kccl: all_gather_into_tensor_coalesced needs as many outputs as inputs (at "
+                    "least one), got ", outputs.size(), " and ", inputs.size());
+  c10::intrusive_ptr<Work> last;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    last = _allgather_base(outputs[k], inputs[k], opts);
+  }
+  return last;
+}
+
+c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(!inputs.empty() && inputs.size() == outputs.size(),
+                    "kccl: reduce_scatter_tensor_coalesced needs as many outputs as inputs (at "
+                    "least one), got ", outputs.size(), " and ", inputs.size());
+  c10::intrusive_ptr<Work> last;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    last = _reduce_scatter_base(outputs[k], inputs[k], opts);
+  }
+  return last;
 }
 
 c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {

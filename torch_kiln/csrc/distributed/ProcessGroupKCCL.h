@@ -90,6 +90,17 @@ class ProcessGroupKCCL : public c10d::Backend {
                                          const AllToAllOptions& opts = AllToAllOptions()) override;
   c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                     const AllToAllOptions& opts = AllToAllOptions()) override;
+  // Coalesced forms: one collective per tensor, in order; the last one's
+  // Work stands for all.
+  c10::intrusive_ptr<Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const AllreduceCoalescedOptions& opts = AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const AllgatherOptions& opts = AllgatherOptions()) override;
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const ReduceScatterOptions& opts = ReduceScatterOptions()) override;
   c10::intrusive_ptr<Work> barrier(const BarrierOptions& opts = BarrierOptions()) override;
   // Point-to-point through shared memory (Note [kccl point-to-point] in
   // ShmGroup.h). `tag` is ignored, as NCCL ignores it. A send that does not
