@@ -21,9 +21,13 @@
 //     of failed kernels]) and fail the Work and its Future. See Note [kccl
 //     shared-memory protocol] for timeouts and broken groups.
 //
-// Tensors: one dense kiln tensor per rank (no multi-device lists, as NCCL);
-// any dtype; non-contiguous tensors are staged through a contiguous copy
-// inside the task. Arguments are checked on the calling thread: a bad root,
+// Tensors: dense kiln tensors of one device per call (no multi-device
+// lists, as NCCL: one tensor per rank, or per peer for the list forms of
+// all_gather, reduce_scatter, gather, scatter, all_to_all); any dtype; shapes
+// are free, element counts must match as each collective requires.
+// Non-contiguous tensors are staged through a contiguous copy inside the
+// task (except all_gather_into_tensor's output and reduce_scatter_tensor's
+// input, which must be contiguous, as with NCCL). Arguments are checked on the calling thread: a bad root,
 // list length, size or dtype raises c10::ValueError naming what was asked
 // and what is allowed.
 //
