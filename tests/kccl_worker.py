@@ -600,6 +600,31 @@ def s_dtensor_fsdp(args):
     return True
 
 
+def s_failed_input(args):
+    """Rank 0's input comes from a kernel that failed on the device."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    src = torch.arange(4.0, device=DEVICE)
+    torch.index_select(src, 0, torch.tensor([1], device=DEVICE))  # first call: checked at once
+    index = torch.tensor([7 if RANK == 0 else 1], device=DEVICE)
+    t = torch.index_select(src, 0, index)  # fails on rank 0's stream, asynchronously
+    work = dist.all_reduce(t, group=group, async_op=True)
+    # Errors come out once each, where kiln raises them: the index kernel's at
+    # the first synchronization of its stream, the collective's from the Work,
+    # the communication stream and the output.
+    messages = []
+    for attempt in (lambda: t.cpu(), torch.kiln.synchronize, torch.kiln.synchronize, work.wait, lambda: t.cpu()):
+        try:
+            attempt()
+        except Exception as e:  # noqa: BLE001
+            messages.append(str(e))
+    text = "\n".join(messages)
+    want = "holds no valid result" if RANK == 0 else "ranks [0] did not arrive"
+    assert want in text, text
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return text
+
+
 def s_shm_names(args):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
 

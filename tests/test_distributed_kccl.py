@@ -225,6 +225,11 @@ def test_rank_that_never_arrives_times_out(pool2):
     assert 2.5 < out[0]["seconds"] < 30, out[0]
 
 
+def test_input_from_a_failed_kernel(pool2):
+    texts = pool2.run("failed_input", seconds=3)
+    assert "index out of range" in texts[0], texts[0]
+
+
 def test_mismatched_sizes_raise(pool2):
     texts = pool2.run("mismatch", seconds=5)
     assert all("mismatched collectives" in t for t in texts)

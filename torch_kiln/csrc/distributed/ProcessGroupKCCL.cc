@@ -31,12 +31,13 @@ using Clock = std::chrono::steady_clock;
 // Note [kccl issue order]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // Every rank must run the group's collectives in the same order, the order
-// its program issued them (the sequence numbers). Collectives on one device
-// share one in-order communication stream, but a group used with kiln:0 and
-// kiln:1 has two streams whose workers could start tasks in either order. So
-// each task first waits for its turn: until every collective with a smaller
-// sequence number of the group has finished (or failed, or been skipped), with
-// the collective's deadline. This cannot deadlock: a task only waits for
+// its program issued them. Operations on one device share one in-order
+// communication stream, but a group used with kiln:0 and kiln:1 has two
+// streams whose workers could start tasks in either order. So each task first
+// waits for its turn: until every operation this rank issued on the group
+// before it (a local issue counter, apart from the sequence numbers, which
+// count collectives and point-to-point operations separately) has finished,
+// failed or been skipped, within the operation's deadline. This cannot deadlock: a task only waits for
 // tasks issued before it, and those never wait for anything issued later.
 
 // The state shared by the process group and its in-flight tasks (tasks may
@@ -205,8 +206,13 @@ struct CollectiveTask final : at::kiln::TaskBody {
     if (c10::kiln::anyFailedResults()) {
       for (const auto& d : inputs) {
         if (auto reason = c10::kiln::failedResultReason(d.data)) {
-          TORCH_CHECK(false, "kccl: ", call.name, " #", call.what.seq,
-                      ": an input holds no valid result: ", *reason);
+          // This rank cannot contribute; the other ranks would wait for it
+          // (and time out), and the group's steps no longer line up.
+          shared->group.fail(std::string("kccl: ") + call.name + " (sequence number " +
+                             std::to_string(call.what.seq) + ") on rank " +
+                             std::to_string(shared->group.rank()) +
+                             ": an input holds no valid result, so this rank cannot take part "
+                             "(the other ranks will time out): " + *reason);
         }
       }
     }
@@ -379,6 +385,10 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
   shared_->startCompletionThread();
 }
 
+// Does not wait for queued operations: they hold the shared state and end
+// within their deadlines; the last one to end frees it (if that happens on
+// a stream worker, its own stream cannot be destroyed from there and is left
+// to process exit).
 ProcessGroupKCCL::~ProcessGroupKCCL() = default;
 
 std::chrono::milliseconds ProcessGroupKCCL::timeoutFor(std::chrono::milliseconds requested) const {
@@ -404,6 +414,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::enqueue(CollectiveCall call, bool blo
     }
   }
   call.what.seq = call.p2p ? ++p2p_seq_ : ++seq_;
+  call.what.timeout_ms = call.timeout.count();
   call.order = ++order_;
   auto work = c10::make_intrusive<WorkKCCL>(rank_, call.type, call.name, call.what.seq, device,
                                             call.outputs, blocking);

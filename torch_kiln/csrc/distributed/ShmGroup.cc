@@ -246,7 +246,8 @@ std::string ShmGroup::timeoutMessage(const CollectiveDescription& what, const st
   if (!what.shape.empty()) {
     message << ", " << what.shape;
   }
-  message << ") timed out on rank " << rank_ << " after " << timeout_.count()
+  message << ") timed out on rank " << rank_ << " after "
+          << (what.timeout_ms > 0 ? what.timeout_ms : static_cast<int64_t>(timeout_.count()))
           << " ms (the process group's timeout): ranks [" << ranks.str() << "] did not arrive ("
           << stage << "; last operation they entered: " << last.str()
           << "). A rank may have crashed, be stuck, or be running a different collective.";

@@ -88,6 +88,7 @@ struct CollectiveDescription {
   int32_t root = -1;          // broadcast/reduce root, -1 for none
   int32_t reduce_op = -1;     // c10d::ReduceOp::RedOpType, -1 for none
   std::string shape;          // "Float[4, 3]", for messages only
+  int64_t timeout_ms = 0;     // the collective's timeout, for messages only
 };
 
 // One send or recv of a point-to-point exchange (ShmGroup::exchange).
@@ -139,6 +140,12 @@ class ShmGroup {
 
   // Marks a collective as entered by this rank (for other ranks' timeout messages).
   void enter(const CollectiveDescription& what);
+
+  // Breaks the group with `message` (as a timeout would) and throws it as
+  // c10::DistBackendError: for failures found before a collective's steps
+  // (an input that holds no valid result), after which this rank cannot
+  // take part in the steps the other ranks expect.
+  [[noreturn]] void fail(const std::string& message) { breakWith(message); }
 
   bool broken() const;
   std::string firstError() const;
