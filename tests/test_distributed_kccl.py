@@ -173,6 +173,9 @@ def no_leftover_segments(request):
 def test_backend_selection(pool2):
     infos = pool2.run("backend_info")
     for rank, info in enumerate(infos):
+        # init_process_group() without backend: PyTorch names the group's
+        # backend "undefined" and makes the accelerator's default, kccl.
+        assert info["backend"] == "undefined"
         assert info["default_for_kiln"] == "kccl"
         assert info["rank"] == rank and info["world"] == 2
         assert info["device"] == f"kiln:{rank}"
@@ -299,7 +302,8 @@ def test_device_id_and_killed_ranks_leak_nothing():
 TORCHRUN_SCRIPT = """
 import os, torch, torch.distributed as dist
 torch.kiln.set_device(int(os.environ["LOCAL_RANK"]))
-dist.init_process_group()
+dist.init_process_group(backend="kccl")
+assert dist.get_backend() == "kccl"
 t = torch.full((3,), float(dist.get_rank() + 1), device="kiln")
 dist.all_reduce(t)
 assert torch.equal(t.cpu(), torch.full((3,), 3.0)), t
@@ -309,6 +313,7 @@ dist.destroy_process_group()
 
 
 def test_torchrun_standalone(tmp_path):
+    # init_process_group(backend="kccl") under torchrun --standalone.
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
