@@ -429,8 +429,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::enqueue(CollectiveCall call, bool blo
   }
   work->doneEvent().record(comm);
   shared_->push(work);
-  if (coalescing_) {
-    coalesced_last_ = work;
+  {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    if (coalescing_) {
+      coalesced_last_ = work;
+    }
   }
   return work;
 }
@@ -1100,17 +1103,18 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::pointToPoint(bool is_send, std::vecto
   checkSingle(tensors, name);
   checkTensor(tensors[0], name, is_send ? "input" : "output");
   shared_->group.checkPeer(peer, name);
-  pending_p2p_.push_back({is_send, peer, tensors[0]});
-  if (coalescing_) {
-    // Runs with the rest of the group at endCoalescing().
-    return completedWork(is_send ? OpType::SEND : OpType::RECV, name);
+  {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    if (coalescing_) {
+      // Runs with the rest of the group at endCoalescing().
+      pending_p2p_.push_back({is_send, peer, tensors[0]});
+      return completedWork(is_send ? OpType::SEND : OpType::RECV, name);
+    }
   }
-  return launchPointToPoint();
+  return launchPointToPoint({{is_send, peer, tensors[0]}});
 }
 
-c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint() {
-  std::vector<PendingP2P> ops = std::move(pending_p2p_);
-  pending_p2p_.clear();
+c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint(std::vector<PendingP2P> ops) {
   const bool single = ops.size() == 1;
   const char* name = single ? (ops[0].send ? "send" : "recv") : "batch_isend_irecv";
   std::vector<at::Tensor> all;
@@ -1158,21 +1162,29 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::recv(std::vector<at::Tensor>& tensors
 }
 
 void ProcessGroupKCCL::startCoalescing() {
+  std::lock_guard<std::mutex> lock(p2p_mutex_);
   TORCH_CHECK_VALUE(!coalescing_, "kccl: startCoalescing() called twice without endCoalescing()");
   coalescing_ = true;
   coalesced_last_.reset();
 }
 
 c10::intrusive_ptr<Work> ProcessGroupKCCL::endCoalescing() {
-  TORCH_CHECK_VALUE(coalescing_, "kccl: endCoalescing() without startCoalescing()");
-  coalescing_ = false;
-  if (!pending_p2p_.empty()) {
-    return launchPointToPoint();
+  std::vector<PendingP2P> ops;
+  c10::intrusive_ptr<Work> last;
+  {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    TORCH_CHECK_VALUE(coalescing_, "kccl: endCoalescing() without startCoalescing()");
+    coalescing_ = false;
+    ops = std::move(pending_p2p_);
+    pending_p2p_.clear();
+    last = std::move(coalesced_last_);
+    coalesced_last_.reset();
+  }
+  if (!ops.empty()) {
+    return launchPointToPoint(std::move(ops));
   }
   // Collectives inside the block ran as issued; the last one's Work stands
   // for all (they share the in-order communication stream).
-  auto last = std::move(coalesced_last_);
-  coalesced_last_.reset();
   return last ? last : completedWork(OpType::COALESCED, "coalesced");
 }
 

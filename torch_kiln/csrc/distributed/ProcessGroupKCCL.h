@@ -129,7 +129,7 @@ class ProcessGroupKCCL : public c10d::Backend {
 
   c10::intrusive_ptr<Work> enqueue(CollectiveCall call, bool blocking);
   c10::intrusive_ptr<Work> pointToPoint(bool is_send, std::vector<at::Tensor>& tensors, int peer);
-  c10::intrusive_ptr<Work> launchPointToPoint();
+  c10::intrusive_ptr<Work> launchPointToPoint(std::vector<PendingP2P> ops);
   // A Work that is already complete (placeholders inside a coalesced block).
   c10::intrusive_ptr<Work> completedWork(c10d::OpType type, const char* name);
   std::chrono::milliseconds timeoutFor(std::chrono::milliseconds requested) const;
@@ -141,6 +141,8 @@ class ProcessGroupKCCL : public c10d::Backend {
   uint64_t order_ = 0;   // every operation, in issue order (Note [kccl issue order])
   std::mutex issue_mutex_;
   c10::DeviceIndex last_device_ = 0; // barrier's device: the last one used
+  // Coalescing state (batch_isend_irecv), guarded by p2p_mutex_.
+  std::mutex p2p_mutex_;
   bool coalescing_ = false;
   std::vector<PendingP2P> pending_p2p_;
   c10::intrusive_ptr<Work> coalesced_last_;
