@@ -8,8 +8,13 @@
 #include <sstream>
 #include <thread>
 
+#include <climits>
+#include <ctime>
+
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -254,28 +259,81 @@ std::string ShmGroup::timeoutMessage(const CollectiveDescription& what, const st
   return message.str();
 }
 
+namespace {
+
+// Note [kccl futex waits]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A rank waiting for a step's counters spins and yields briefly, then sleeps in the
+// kernel on the low 32-bit word of the first counter that has not arrived
+// (a shared, not private, futex: the word lives in memory every rank maps),
+// for at most 2 ms at a time so that the deadline and the other counters are
+// rechecked. Every store to a counter is followed by a FUTEX_WAKE of its word.
+// A missed wake-up (the store lands between the check and the sleep) cannot
+// hang: FUTEX_WAIT returns at once when the word no longer holds the value
+// the waiter saw, and otherwise within 2 ms.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kccl's futex words assume little-endian");
+
+uint32_t* lowWord(const std::atomic<uint64_t>& counter) {
+  return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(&counter));
+}
+
+void futexWait(const std::atomic<uint64_t>& counter, uint64_t seen, std::chrono::nanoseconds limit) {
+  const auto ns = std::max<int64_t>(1000, std::min<int64_t>(limit.count(), 2'000'000));
+  struct timespec timeout {0, static_cast<long>(ns)};
+  ::syscall(SYS_futex, lowWord(counter), FUTEX_WAIT, static_cast<uint32_t>(seen), &timeout, nullptr, 0);
+}
+
+void futexWake(const std::atomic<uint64_t>& counter) {
+  ::syscall(SYS_futex, lowWord(counter), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+} // namespace
+
 void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDescription& what,
                        Clock::time_point deadline, const char* stage) {
-  auto value = [&](int r) {
+  auto counter = [&](int r) -> const std::atomic<uint64_t>& {
     const Header* h = header(r);
-    return (ready_counter ? h->ready : h->done).load(std::memory_order_acquire);
+    return ready_counter ? h->ready : h->done;
   };
-  auto arrived = [&] {
+  auto firstMissing = [&]() {
     for (int r = 0; r < size_; ++r) {
-      if (value(r) < target) {
-        return false;
+      if (counter(r).load(std::memory_order_acquire) < target) {
+        return r;
       }
     }
-    return true;
+    return -1;
   };
-  if (!spinUntil(arrived, deadline)) {
-    std::vector<int> missing;
-    for (int r = 0; r < size_; ++r) {
-      if (value(r) < target) {
-        missing.push_back(r);
-      }
+  for (int i = 0; i < 2000; ++i) {
+    if (firstMissing() < 0) {
+      return;
     }
-    breakWith(timeoutMessage(what, missing, stage));
+    KCCL_CPU_RELAX();
+  }
+  // Then yield for a while: a peer that is about to arrive usually only
+  // needs the core (2 ranks on 2 cores is a normal set-up).
+  const auto yield_until = Clock::now() + std::chrono::microseconds(200);
+  while (Clock::now() < yield_until) {
+    if (firstMissing() < 0) {
+      return;
+    }
+    std::this_thread::yield();
+  }
+  // Note [kccl futex waits]
+  for (int r = firstMissing(); r >= 0; r = firstMissing()) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::vector<int> missing;
+      for (int k = 0; k < size_; ++k) {
+        if (counter(k).load(std::memory_order_acquire) < target) {
+          missing.push_back(k);
+        }
+      }
+      breakWith(timeoutMessage(what, missing, stage));
+    }
+    const uint64_t seen = counter(r).load(std::memory_order_acquire);
+    if (seen < target) {
+      futexWait(counter(r), seen, deadline - now);
+    }
   }
 }
 
@@ -323,6 +381,7 @@ void ShmGroup::step(const CollectiveDescription& what, Clock::time_point deadlin
   own->reduce_op = what.reduce_op;
   std::strncpy(own->name, what.name, sizeof(own->name) - 1);
   own->ready.store(s, std::memory_order_release);
+  futexWake(own->ready);
   waitAll(/*ready_counter=*/true, s, what, deadline, "waiting for their data");
   checkSame(what);
   try {
@@ -333,6 +392,7 @@ void ShmGroup::step(const CollectiveDescription& what, Clock::time_point deadlin
     breakWith(std::string("kccl: ") + what.name + " failed while reading the ranks' data: " + messageOf(e));
   }
   own->done.store(s, std::memory_order_release);
+  futexWake(own->done);
 }
 
 } // namespace c10d::kiln

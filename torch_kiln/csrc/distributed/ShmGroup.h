@@ -33,8 +33,8 @@
 //      then done = s (release).
 // A rank can therefore be at most one step ahead of the slowest one, and a
 // slot is never written while someone reads it. Waiting spins briefly, then
-// yields, then sleeps with growing pauses (up to 1 ms), always against the
-// collective's deadline (the process group's timeout from the moment the
+// sleeps on a futex in the shared memory (Note [kccl futex waits] in
+// ShmGroup.cc), always against the collective's deadline (the process group's timeout from the moment the
 // collective started on this rank). On the deadline the step raises
 // c10::DistBackendError naming the collective, its sequence number, its shape
 // and the ranks that did not arrive (with the last collective each of them
