@@ -34,8 +34,9 @@
 // A rank can therefore be at most one step ahead of the slowest one, and a
 // slot is never written while someone reads it. Waiting spins briefly, then
 // sleeps on a futex in the shared memory (Note [kccl futex waits] in
-// ShmGroup.cc), always against the collective's deadline (the process group's timeout from the moment the
-// collective started on this rank). On the deadline the step raises
+// ShmGroup.cc), always against the collective's deadline (the process
+// group's timeout, counted from the moment the collective started on this
+// rank). On the deadline the step raises
 // c10::DistBackendError naming the collective, its sequence number, its shape
 // and the ranks that did not arrive (with the last collective each of them
 // entered); the group is then *broken*: every later step fails at once with
