@@ -56,4 +56,12 @@ from torch_kiln.compiler import register_dynamo_hooks as _register_dynamo_hooks 
 _register_dynamo_hooks()
 # -----------------------------------------------------------------------------
 
+# --- torch.distributed: the kccl backend for kiln tensors ----------------------
+# `import torch` has imported torch.distributed before it loads backends, so
+# registering here costs no import (torch_kiln/distributed/__init__.py).
+from torch_kiln.distributed import register as _register_kccl  # noqa: E402
+
+_register_kccl()
+# -----------------------------------------------------------------------------
+
 __all__ = ["kiln"]

@@ -17,6 +17,7 @@
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
+#include "python/DistributedBindings.h"
 #include "python/GeneratedKernelBindings.h"
 #include "python/HostWaitInterrupts.h"
 #include "python/MemoryTools.h"
@@ -68,6 +69,7 @@ PYBIND11_MODULE(_C, m) {
   torch_kiln::installHostWaitInterrupts();
   torch_kiln::bindStorageSharing(m);
   torch_kiln::bindGeneratedKernels(m);
+  torch_kiln::bindDistributed(m);
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);

@@ -1,0 +1,334 @@
+"""torch.distributed on kiln: the kccl backend (issue 12, first increment).
+
+Each test module run starts one pool of worker ranks per world size
+(tests/kccl_worker.py, one process per rank on kiln:RANK) and sends them
+scenarios; every scenario checks its results against the same computation
+on the CPU inside each rank. Every command has a hard timeout: on expiry the
+pool is killed and the test fails with each rank's stderr. After every test,
+/dev/shm must hold no kccl segment of a worker (segments are unlinked as soon
+as all ranks have mapped them), and none may be left when the pool is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kccl_worker.py")
+COMMAND_TIMEOUT = 120.0  # seconds, per scenario
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kccl_segments(pids=None) -> list[str]:
+    names = [n for n in os.listdir("/dev/shm") if n.startswith("kccl-")]
+    if pids is not None:
+        names = [n for n in names if int(n.split("-")[1]) in pids]
+    return names
+
+
+class RankPool:
+    """`world` worker processes with an initialised default process group."""
+
+    def __init__(self, world: int, backend: str | None = None, env: dict | None = None):
+        self.world = world
+        port = free_port()
+        self.procs = []
+        self.logs = []
+        for rank in range(world):
+            log = tempfile.TemporaryFile(mode="w+")
+            e = dict(os.environ)
+            e.update(
+                RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                KILN_DEVICE_COUNT=str(max(2, world)), KCCL_TEST_BACKEND=backend or "",
+                OMP_NUM_THREADS="1",
+            )
+            e.update(env or {})
+            proc = subprocess.Popen(
+                [sys.executable, "-u", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, env=e, text=True, start_new_session=True,
+            )
+            self.procs.append(proc)
+            self.logs.append(log)
+        self.pids = {p.pid for p in self.procs}
+        self._collect("start-up")
+
+    def _stderr(self) -> str:
+        out = []
+        for rank, log in enumerate(self.logs):
+            log.seek(0)
+            out.append(f"--- rank {rank} stderr ---\n{log.read()[-4000:]}")
+        return "\n".join(out)
+
+    def _collect(self, what: str) -> list:
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        replies: dict[int, dict] = {}
+        sel = selectors.DefaultSelector()
+        for rank, p in enumerate(self.procs):
+            sel.register(p.stdout, selectors.EVENT_READ, rank)
+        try:
+            while len(replies) < self.world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.kill()
+                    pytest.fail(f"{what}: no answer within {COMMAND_TIMEOUT} s; pool killed\n{self._stderr()}")
+                for key, _ in sel.select(timeout=min(left, 1.0)):
+                    rank = key.data
+                    line = key.fileobj.readline()
+                    if line == "":
+                        self.kill()
+                        pytest.fail(f"{what}: rank {rank} exited (code {self.procs[rank].poll()})\n{self._stderr()}")
+                    if line.startswith("KCCL-RESULT "):
+                        replies[rank] = json.loads(line[len("KCCL-RESULT "):])
+                        sel.unregister(key.fileobj)
+        finally:
+            sel.close()
+        failures = [f"rank {r}:\n{rep['error']}" for r, rep in sorted(replies.items()) if not rep["ok"]]
+        if failures:
+            pytest.fail(f"{what} failed\n" + "\n".join(failures))
+        return [replies[r]["result"] for r in range(self.world)]
+
+    def run(self, scenario: str, **args) -> list:
+        """Runs `scenario` on every rank; returns the ranks' results."""
+        for p in self.procs:
+            p.stdin.write(json.dumps({"scenario": scenario, "args": args}) + "\n")
+            p.stdin.flush()
+        return self._collect(scenario)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.wait()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write(json.dumps({"scenario": "exit"}) + "\n")
+                    p.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + 30
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        for log in self.logs:
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    # A small slot makes the larger tensors below run in many steps.
+    pool = RankPool(2, env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024)})
+    yield pool
+    pool.close()
+    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = RankPool(3, backend="cpu:gloo,kiln:kccl")
+    yield pool
+    pool.close()
+    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments(request):
+    yield
+    for name in ("pool2", "pool3"):
+        if name in request.fixturenames:
+            pool = request.getfixturevalue(name)
+            assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+def test_backend_selection(pool2):
+    infos = pool2.run("backend_info")
+    for rank, info in enumerate(infos):
+        # init_process_group() without backend: PyTorch names the group's
+        # backend "undefined" and makes the accelerator's default, kccl.
+        assert info["backend"] == "undefined"
+        assert info["default_for_kiln"] == "kccl"
+        assert info["rank"] == rank and info["world"] == 2
+        assert info["device"] == f"kiln:{rank}"
+
+
+def test_segments_unlinked_after_setup(pool2):
+    assert pool2.run("shm_names") == [[], []]
+
+
+def test_all_reduce_every_op_and_dtype(pool2):
+    counts = pool2.run("all_reduce_ops")
+    assert counts[0] == counts[1] > 50
+
+
+def test_collectives(pool2):
+    pool2.run("collectives")
+
+
+def test_chunked_large_tensors(pool2):
+    # 64 KiB slots: 40_000 float32 elements are 3 steps, 160 KB.
+    pool2.run("chunked", numel=40_000)
+
+
+def test_noncontiguous_and_empty(pool2):
+    pool2.run("noncontiguous")
+
+
+def test_async_op_streams_and_record_stream(pool2):
+    pool2.run("async")
+
+
+def test_other_device(pool2):
+    # rank 0 on kiln:1 and rank 1 on kiln:0, with the same process group.
+    assert pool2.run("other_device", device=1) == ["kiln:1", "kiln:1"]
+    assert pool2.run("other_device", device=0) == ["kiln:0", "kiln:0"]
+
+
+def test_bad_arguments(pool2):
+    pool2.run("errors")
+
+
+def test_other_backend_strings_and_groups(pool2):
+    out = pool2.run("groups")
+    assert out[0] == {"kccl": "kccl", "cpu:gloo,kiln:kccl": "cpu:gloo,kiln:kccl"}
+
+
+def test_rank_that_never_arrives_times_out(pool2):
+    start = time.monotonic()
+    out = pool2.run("timeout", seconds=3)
+    assert time.monotonic() - start < 60
+    assert 2.5 < out[0]["seconds"] < 30, out[0]
+
+
+def test_input_from_a_failed_kernel(pool2):
+    texts = pool2.run("failed_input", seconds=3)
+    assert "index out of range" in texts[0], texts[0]
+
+
+def test_mismatched_sizes_raise(pool2):
+    texts = pool2.run("mismatch", seconds=5)
+    assert all("mismatched collectives" in t for t in texts)
+
+
+def test_gather_scatter_all_to_all(pool2):
+    texts = pool2.run("gather_scatter_alltoall")
+    assert all("rank 0 sends 4 elements to rank 0, which expects 2" in t for t in texts)
+    # 64 KiB slots: pieces of 3_000 x 2 float32 need several steps.
+    pool2.run("gather_scatter_alltoall", rows=3000)
+
+
+def test_send_recv(pool2):
+    pool2.run("p2p")
+    # 64 KiB slots give 32 KiB per pair: 20_000 float32 elements are 3 chunks.
+    pool2.run("p2p", numel=20_000)
+
+
+def test_send_recv_errors(pool2):
+    out = pool2.run("p2p_errors", seconds=3)
+    assert "mismatch" in out[1] and "timeout" in out[1]
+
+
+def test_coalesced_collectives(pool2):
+    pool2.run("coalesced")
+
+
+def test_dtensor_and_fsdp2(pool2):
+    pool2.run("dtensor_fsdp")
+
+
+def test_ddp_matches_one_process(pool2):
+    # Several gradient buckets; parameters compared with one process training
+    # on the global batch (DDP averages as grad / world then sums).
+    pool2.run("ddp")
+    pool2.run("ddp", no_sync=True, steps=6)
+    pool2.run("ddp", hook="fp16", rtol=1e-2)
+
+
+def test_three_ranks(pool3):
+    infos = pool3.run("backend_info")
+    assert [i["device"] for i in infos] == ["kiln:0", "kiln:1", "kiln:2"]
+    pool3.run("all_reduce_ops", dtypes=["float32", "bfloat16", "float16", "int64", "bool"])
+    pool3.run("collectives")
+    pool3.run("groups")
+    pool3.run("ddp")
+    pool3.run("p2p")
+    pool3.run("gather_scatter_alltoall")
+    pool3.run("coalesced")
+    pool3.run("dtensor_fsdp")
+
+
+def test_device_id_and_killed_ranks_leak_nothing():
+    # init_process_group(device_id=kiln:RANK) picks kccl from the device type.
+    pool = RankPool(2, env={"KCCL_TEST_DEVICE_ID": "1"})
+    try:
+        infos = pool.run("backend_info")
+        assert [i["backend"] for i in infos] == ["kccl", "kccl"]
+        pool.run("other_device", device=0)
+        assert kccl_segments(pool.pids) == []
+    finally:
+        pool.kill()  # SIGKILL: no destructor runs
+    assert kccl_segments(pool.pids) == []
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+torch.kiln.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(backend="kccl")
+assert dist.get_backend() == "kccl"
+t = torch.full((3,), float(dist.get_rank() + 1), device="kiln")
+dist.all_reduce(t)
+assert torch.equal(t.cpu(), torch.full((3,), 3.0)), t
+print(f"KCCL-OK {dist.get_rank()} {t.device}", flush=True)  # one write: lines never interleave
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_standalone(tmp_path):
+    # init_process_group(backend="kccl") under torchrun --standalone.
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = dict(os.environ, KILN_DEVICE_COUNT="2")
+    proc = subprocess.Popen(torchrun, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {COMMAND_TIMEOUT} s\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    # The ranks share the pipe with their warnings, whose writes may land
+    # between parts of another line: find the markers anywhere.
+    assert sorted(re.findall(r"KCCL-OK \d+ (kiln:\d+)", out)) == ["kiln:0", "kiln:1"], out
+    # No segment of a process that has exited (the workers are gone by now).
+    assert [n for n in kccl_segments() if not os.path.exists(f"/proc/{n.split('-')[1]}")] == []

@@ -1,0 +1,30 @@
+#include "python/DistributedBindings.h"
+
+#include <chrono>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "distributed/ProcessGroupKCCL.h"
+
+namespace torch_kiln {
+
+void bindDistributed(pybind11::module& m) {
+  m.def(
+      "_kccl_create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
+         const std::string& group_name) -> c10::intrusive_ptr<c10d::Backend> {
+        TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "kccl: invalid rank ", rank,
+                          " for a group of ", size, " ranks");
+        TORCH_CHECK_VALUE(timeout_ms > 0, "kccl: the timeout must be positive, got ", timeout_ms,
+                          " ms");
+        return c10::make_intrusive<c10d::kiln::ProcessGroupKCCL>(
+            store, rank, size, std::chrono::milliseconds(timeout_ms), group_name);
+      },
+      pybind11::arg("store"), pybind11::arg("rank"), pybind11::arg("size"),
+      pybind11::arg("timeout_ms"), pybind11::arg("group_name"),
+      pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+
+} // namespace torch_kiln

@@ -1,0 +1,18 @@
+// DistributedBindings.h — the Python entry point of the kccl c10d backend
+// (torch_kiln/csrc/distributed/ProcessGroupKCCL.h); torch_kiln.distributed
+// registers it with torch.distributed.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace torch_kiln {
+
+// Adds _kccl_create_backend(store, rank, size, timeout_ms, group_name) to the
+// _C module: makes a ProcessGroupKCCL (collective over the group's ranks;
+// releases the GIL while the ranks set up their shared memory) and returns
+// it as a torch._C._distributed_c10d.Backend. Call only after
+// torch.distributed has been imported (it registers the Store and Backend
+// Python types).
+void bindDistributed(pybind11::module& m);
+
+} // namespace torch_kiln

@@ -1,0 +1,132 @@
+"""torch.distributed on kiln: the ``kccl`` c10d backend.
+
+``kccl`` is to kiln what NCCL is to CUDA: the communication backend of
+``torch.distributed`` for kiln tensors, a C++ ``c10d::Backend``
+(``torch_kiln/csrc/distributed/ProcessGroupKCCL.h``). It is registered when
+``torch_kiln`` loads (``import torch`` is enough), for the ``kiln`` device, so::
+
+    import torch, torch.distributed as dist
+    dist.init_process_group()                          # kiln:kccl (the accelerator's default)
+    dist.init_process_group(backend="kccl")            # the same, by name
+    dist.init_process_group(backend="cpu:gloo,kiln:kccl")  # CPU tensors too
+    dist.get_default_backend_for_device("kiln")        # 'kccl'
+
+Each rank is a process using its own kiln device (``kiln:LOCAL_RANK``: set
+``KILN_DEVICE_COUNT`` to at least the number of ranks per host and call
+``torch.kiln.set_device(local_rank)``). Ranks of one host exchange data
+through POSIX shared memory; every collective is a task on a kiln
+communication stream, ordered after the caller's current stream, as NCCL's
+are on CUDA streams. See docs/distributed.md for what works and what does
+not yet.
+
+Environment:
+    ``KCCL_SHM_SLOT_BYTES``: bytes of each rank's shared-memory slot (default
+    4 MiB, 4096 .. 2**30, a multiple of 64); larger collectives run in chunks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+
+import torch
+
+__all__ = ["BACKEND_NAME", "is_registered"]
+
+BACKEND_NAME = "kccl"
+_registered = False
+
+
+def _create_backend(dist_backend_opts, backend_options):
+    """The ``kccl`` creator c10d calls (``extended_api=True``) for each new
+    process group: returns a ``torch._C._distributed_c10d.Backend``.
+
+    ``dist_backend_opts``: c10d's ``_DistributedBackendOptions`` (store,
+    group_rank, group_size, timeout, group_id). ``backend_options`` is unused
+    (kccl has no options of its own yet).
+
+    Raises torch.distributed.DistBackendError if the ranks cannot set up their
+    shared memory within the timeout."""
+    from torch_kiln import _C
+
+    timeout = dist_backend_opts.timeout
+    if isinstance(timeout, datetime.timedelta):
+        timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    else:
+        timeout_ms = max(1, int(timeout))
+    return _C._kccl_create_backend(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        timeout_ms,
+        str(dist_backend_opts.group_id),
+    )
+
+
+# Note [kccl as the default backend of an undefined group]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `init_process_group()` with neither `backend` nor `device_id` makes a
+# group with backend "undefined": PyTorch 2.13 then creates the accelerator's
+# default backend (kiln:kccl, from Backend.default_device_backend_map) but
+# marks the group's *default backend type* as NCCL if NCCL is in the map and
+# Gloo otherwise (distributed_c10d._new_process_group_helper). On a kiln
+# machine there is no Gloo backend in that group, so everything that asks the
+# group for its default backend from C++ (DDP's constructor logs
+# `getBackendName()`; `_has_hooks`) fails with "Could not find backend type 1
+# for Process Group with name gloo". kiln wraps the helper: when the group it
+# made says Gloo is its default but has no CPU backend and has a kiln one,
+# the default becomes that (CUSTOM) backend, as `backend="kccl"` would have
+# set it. The wrapper changes nothing else, and nothing for other groups.
+
+
+def _has_backend(pg, device: str) -> bool:
+    try:
+        pg._get_backend(torch.device(device))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _wrap_process_group_helper(c10d) -> None:
+    original = c10d._new_process_group_helper
+    if getattr(original, "_kiln_default_backend_fix", False):
+        return
+
+    @functools.wraps(original)
+    def helper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        pg = result[0] if isinstance(result, tuple) else result
+        if isinstance(pg, c10d.ProcessGroup) and pg._get_backend_name() == "gloo":
+            if _has_backend(pg, "kiln") and not _has_backend(pg, "cpu"):
+                pg._set_default_backend(c10d.ProcessGroup.BackendType.CUSTOM)
+        return result
+
+    helper._kiln_default_backend_fix = True
+    c10d._new_process_group_helper = helper
+
+
+def is_registered() -> bool:
+    """True once ``kccl`` is registered with torch.distributed."""
+    return _registered
+
+
+def register() -> None:
+    """Registers ``kccl`` with ``torch.distributed.Backend`` for the
+    ``kiln`` device (idempotent; called when ``torch_kiln`` loads). Does
+    nothing where this PyTorch build has no distributed support."""
+    global _registered
+    if _registered:
+        return
+    # `import torch` imports torch.distributed already, so this is free.
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["kiln"]
+    )
+    # Note [kccl as the default backend of an undefined group]
+    import torch.distributed.distributed_c10d as c10d
+
+    _wrap_process_group_helper(c10d)
+    _registered = True
