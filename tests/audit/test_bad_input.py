@@ -117,3 +117,48 @@ def test_json_document_shape(tmp_path):
     assert (f["category"], f["on_kiln"], f["replacement"]) == (
         "torch-cuda", "silently different", "torch.accelerator.is_available()")
     assert report["summary"]["by_category"] == {"torch-cuda": 1}
+
+
+def test_a_killed_audit_takes_its_script_with_it(tmp_path):
+    """The script runs in its own process group, so only the audit ends it;
+    if the audit itself is killed (a test runner's timeout, SIGKILL), the
+    child's parent-death signal ends it too (child._die_with_the_audit)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "started"
+    script = write(tmp_path, "forever_alone.py", f"""\
+        import pathlib, time
+        pathlib.Path({str(marker)!r}).write_text("running")
+        while True:
+            time.sleep(0.05)
+        """)
+    audit = subprocess.Popen([sys.executable, "-m", "torch_kiln.audit", script],
+                             env=audit_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the script never started"
+        pids = subprocess.run(["pgrep", "-f", f"audit.child.*{script}"], capture_output=True,
+                              text=True).stdout.split()
+        assert len(pids) == 1, pids
+        audit.kill()
+        audit.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pids[0]}"):
+            state = open(f"/proc/{pids[0]}/stat").read().split()[2]
+            if state == "Z":  # reaped by init shortly
+                break
+            time.sleep(0.1)
+        alive = os.path.exists(f"/proc/{pids[0]}") and \
+            open(f"/proc/{pids[0]}/stat").read().split()[2] != "Z"
+        if alive:
+            os.kill(int(pids[0]), signal.SIGKILL)
+        assert not alive, "the script outlived the audit"
+    finally:
+        if audit.poll() is None:
+            audit.kill()

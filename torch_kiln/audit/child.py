@@ -67,7 +67,27 @@ def _print_user_traceback(error: BaseException, script: str) -> None:
     sys.stderr.write("".join(report.format()))
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_the_audit(audit_pid: int) -> None:
+    """The child runs in its own process group so the audit can end it and
+    everything it started; if the audit itself is killed (SIGKILL, a test
+    runner's timeout) nobody would, and a script that runs forever would
+    run on. Linux's parent-death signal kills the child when the audit
+    dies; a child whose audit is already gone exits at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != audit_pid:
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_the_audit(int(os.environ.get("KILN_AUDIT_PARENT_PID", os.getppid())))
     parser = argparse.ArgumentParser(prog="torch_kiln.audit.child")
     parser.add_argument("--events", required=True)
     parser.add_argument("--root", required=True)

@@ -89,7 +89,9 @@ def run_script(script: str, args: list[str], root: str, map_cuda: bool,
     timed_out = False
     interrupted = False
     start = time.monotonic()
-    proc = subprocess.Popen(command, start_new_session=True)
+    # The child dies with this process too (child._die_with_the_audit).
+    env = dict(os.environ, KILN_AUDIT_PARENT_PID=str(os.getpid()))
+    proc = subprocess.Popen(command, start_new_session=True, env=env)
     try:
         try:
             status = proc.wait(timeout)
