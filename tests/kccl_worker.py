@@ -330,9 +330,8 @@ def s_timeout(args):
 def s_mismatch(args):
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     t = torch.ones(4 + 4 * RANK, device=DEVICE)
-    dist.all_reduce(t, group=group)
-    text = expect_error(RuntimeError, ["mismatched collectives"], lambda: t.cpu())
-    expect_error(RuntimeError, ["mismatched collectives"], lambda: torch.kiln.synchronize())
+    text = expect_failed(["mismatched collectives"],
+                         lambda: (dist.all_reduce(t, group=group), t.cpu()))
     dist.destroy_process_group(group)
     dist.barrier()
     return text
@@ -450,15 +449,15 @@ def s_gather_scatter_alltoall(args):
         bad_in = [2] + [1] * (WORLD - 1)  # sends 2 rows to itself, fine, but 1 claimed below
         bad_out = [1] * WORLD  # expects 1 row from itself: mismatch with its own send
     out = torch.empty(sum(bad_out), 2, device=DEVICE)
-    dist.all_to_all_single(out, torch.ones(sum(bad_in), 2, device=DEVICE), output_split_sizes=bad_out,
-                           input_split_sizes=bad_in, group=group)
-    # Every rank sees the disagreement (each checks every pair).
-    text = expect_error(RuntimeError, ["split sizes must agree", "rank 0 sends 4 elements to rank 0"],
-                        lambda: out.cpu())
-    # The communication stream's sticky error, raised (once) at the next
+    # Every rank sees the disagreement (each checks every pair). The
+    # communication stream's sticky error is raised (once) at the next
     # synchronization -- or wherever the caching allocator next queries an
     # event of that stream, as CUDA's does.
-    expect_error(RuntimeError, ["split sizes must agree"], lambda: torch.kiln.synchronize())
+    text = expect_failed(
+        ["split sizes must agree", "rank 0 sends 4 elements to rank 0"],
+        lambda: (dist.all_to_all_single(out, torch.ones(sum(bad_in), 2, device=DEVICE),
+                                        output_split_sizes=bad_out, input_split_sizes=bad_in,
+                                        group=group), out.cpu()))
     dist.destroy_process_group(group)
     dist.barrier()
     return text
@@ -504,6 +503,24 @@ def s_p2p(args):
     return True
 
 
+def expect_failed(fragments, call_and_read):
+    """A failing blocking call (recv, a synchronous collective) raises from
+    Work.wait() inside the call when its task has already run by then, else
+    when the tensor is read or at the next synchronization (timing: under
+    load either happens). The first error raised must carry ``fragments``;
+    synchronizing afterwards consumes the stream's sticky error either way."""
+    texts = []
+    for step in (call_and_read, torch.kiln.synchronize):
+        try:
+            step()
+        except RuntimeError as e:
+            texts.append(str(e))
+    assert texts, f"expected the receive to fail with {fragments}"
+    for f in fragments:
+        assert f in texts[0], f"error message lacks {f!r}: {texts[0]}"
+    return texts[0]
+
+
 def s_p2p_errors(args):
     out = {}
     t = torch.ones(4, device=DEVICE)
@@ -514,17 +531,16 @@ def s_p2p_errors(args):
         dist.send(torch.ones(8, device=DEVICE), dst=1, group=group)
     elif RANK == 1:
         got = torch.empty(4, device=DEVICE)
-        dist.recv(got, src=0, group=group)
-        out["mismatch"] = expect_error(RuntimeError, ["mismatched send/recv", "8 elements"], lambda: got.cpu())
-        expect_error(RuntimeError, ["mismatched send/recv"], lambda: torch.kiln.synchronize())
+        out["mismatch"] = expect_failed(
+            ["mismatched send/recv", "8 elements"],
+            lambda: (dist.recv(got, src=0, group=group), got.cpu()))
     dist.destroy_process_group(group)
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     if RANK == 1:
         got = torch.empty(4, device=DEVICE)
-        dist.recv(got, src=0, group=group)  # rank 0 never sends
-        out["timeout"] = expect_error(RuntimeError, ["recv (sequence number 1", "ranks [0] did not arrive",
-                                                     "no matching send"], lambda: got.cpu())
-        expect_error(RuntimeError, ["no matching send"], lambda: torch.kiln.synchronize())
+        out["timeout"] = expect_failed(  # rank 0 never sends
+            ["recv (sequence number 1", "ranks [0] did not arrive", "no matching send"],
+            lambda: (dist.recv(got, src=0, group=group), got.cpu()))
     dist.destroy_process_group(group)
     dist.barrier()
     return out
