@@ -90,3 +90,15 @@ def _synchronize_after_test():
     """Surface errors of a test's queued kernels in that test, not the next."""
     yield
     torch.kiln.synchronize()
+
+
+@pytest.fixture
+def fresh_compile(tmp_path, monkeypatch):
+    """A private Inductor cache and reset Dynamo caches around one test, so
+    a compiled test neither reuses another's graphs nor leaves its own."""
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

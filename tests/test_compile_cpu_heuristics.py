@@ -13,12 +13,7 @@ import torch._dynamo
 from torch._inductor.utils import run_and_get_code
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")  # conftest.py
 
 
 def compiled_code(fn, *args):

@@ -21,12 +21,7 @@ extern "C" void kernel(const int64_t* in_ptr0, int64_t* out_ptr0)
 """
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")  # conftest.py
 
 
 def test_kernel_without_division_never_touches_the_flag():
