@@ -7,18 +7,24 @@ accelerator run: it comes from --device, by default the current accelerator
     python examples/train_char_gpt.py                     # on kiln, 500 steps
     python examples/train_char_gpt.py --device cpu        # the same on CPU
     python examples/train_char_gpt.py --max-steps 100 --json run.json
+    KILN_DEVICE_COUNT=2 torchrun --standalone --nproc_per_node=2 \
+        examples/train_char_gpt.py --parallel fsdp    # ddp | fsdp | tp | fsdp+tp
 
 Model (after Karpathy's nanoGPT, github.com/karpathy/nanoGPT): token +
 position embeddings, --layers pre-LayerNorm blocks of causal self-attention
 (torch.nn.functional.scaled_dot_product_attention) and a GELU MLP, a final
 LayerNorm, and an output head tied to the token embedding. AdamW, gradient
 clipping at norm 1.0; --amp bf16|fp16 trains under torch.autocast (fp16 with
-a GradScaler). Data: data/tinyshakespeare.txt (1.1 MB), first 90%
-for training, the rest for validation; batches of --block-size characters.
+a GradScaler). --parallel trains across the ranks of a torchrun job with
+the same global batch (examples/parallelism.py). Data:
+data/tinyshakespeare.txt (1.1 MB), first 90% for training, the rest for
+validation; batches of --block-size characters.
 
 With --json PATH it writes {"device", "seed", "steps" (per-step training
 losses), "val_loss" (mean cross-entropy in nats on 20 validation batches),
-"tokens_per_s" (training tokens per second), "seconds" (training wall time)}.
+"tokens_per_s" (training tokens per second), "seconds" (training wall time),
+"compile", "parallel", "world_size"}; under --parallel rank 0 writes it, with
+the losses over the global batch.
 """
 
 from __future__ import annotations
@@ -39,19 +45,23 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "t
 class Block(nn.Module):
     def __init__(self, width: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_dim = width // heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        # Separate query, key and value projections (not one fused qkv) so
+        # that tensor parallelism can split them by heads (--parallel tp).
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x):
-        batch, time_, width = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, time_, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        batch, time_, _ = x.shape
+        h = self.ln1(x)
+        # -1: the heads this process holds (all of them unless --parallel tp).
+        q, k, v = (f(h).view(batch, time_, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(batch, time_, width))
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, time_, -1))
         return x + self.mlp(self.ln2(x))
 
 
@@ -134,11 +144,23 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="train with torch.compile(model, backend=BACKEND) (default backend: "
                              "inductor); evaluation stays eager")
+    parser.add_argument("--parallel", choices=["ddp", "fsdp", "tp", "fsdp+tp"], default=None,
+                        help="train across the ranks of a torchrun job (examples/parallelism.py); "
+                             "--batch-size stays the global batch")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     if args.width % args.heads:
         parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.parallel and (args.amp or args.compile):
+        parser.error(f"--parallel {args.parallel} does not combine with --amp or --compile yet")
     device = torch.device(args.device)
+    par = None
+    if args.parallel:
+        import parallelism  # examples/parallelism.py, next to this script
+
+        par = parallelism.init(args.parallel, device.type, args.heads, args.batch_size)
+        device = par.device
+    report = print if par is None or par.is_main else (lambda *a, **k: None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -155,14 +177,19 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     step_model = torch.compile(model, backend=args.compile) if args.compile else model
+    if par is not None:
+        step_model = parallelism.parallelize(model, par)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+                                  **(parallelism.optimizer_options(par) if par else {}))
+    clip_grad_norm_ = parallelism.clip_grad_norm_ if par else torch.nn.utils.clip_grad_norm_
     torch.manual_seed(args.seed)  # sampling randomness restarts from the seed on every device
     order = torch.Generator().manual_seed(args.seed)
-    print(f"device {device}, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"{len(chars)} characters, {len(train_data)} training tokens"
-          + (f", autocast {args.amp}" if args.amp else "")
-          + (f", compiled ({args.compile})" if args.compile else ""))
+    report(f"device {device}, {sum(p.numel() for p in model.parameters())} parameters, "
+           f"{len(chars)} characters, {len(train_data)} training tokens"
+           + (f", autocast {args.amp}" if args.amp else "")
+           + (f", compiled ({args.compile})" if args.compile else "")
+           + (f", {args.parallel} over {parallelism.dist.get_world_size()} ranks" if par else ""))
 
     losses: list[float] = []
     seconds = 0.0
@@ -171,33 +198,39 @@ def main() -> None:
         start = time.perf_counter()
         for step in range(args.max_steps):
             x, y = batch_of(train_data, args.batch_size, args.block_size, order)
+            if par is not None:  # this rank's rows of the global batch
+                x, y = parallelism.local_rows(x, par), parallelism.local_rows(y, par)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(step_model(x.to(device)).flatten(0, 1), y.to(device).flatten())
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
-            losses.append(loss.item())
+            losses.append(parallelism.global_mean(loss, par) if par else loss.item())
             if (step + 1) % 100 == 0:
-                print(f"step {len(losses)}: train loss {sum(losses[-100:]) / 100:.4f}")
+                report(f"step {len(losses)}: train loss {sum(losses[-100:]) / 100:.4f}")
         elapsed = time.perf_counter() - start
         seconds += elapsed
         val = validation_loss(model, val_data, args, device)
         tokens = args.max_steps * args.batch_size * args.block_size
-        print(f"epoch {epoch + 1}: val loss {val:.4f}, {elapsed:.1f} s, {tokens / elapsed:.0f} tokens/s")
+        report(f"epoch {epoch + 1}: val loss {val:.4f}, {elapsed:.1f} s, {tokens / elapsed:.0f} tokens/s")
 
     text_ids = sample(model, data[:1], args.sample_length, device)
-    print("sample:\n" + "".join(chars[i] for i in text_ids))
-    result = {"device": str(device), "seed": args.seed, "compile": args.compile, "steps": losses,
+    report("sample:\n" + "".join(chars[i] for i in text_ids))
+    result = {"device": str(device), "seed": args.seed, "compile": args.compile,
+              "parallel": args.parallel,
+              "world_size": parallelism.dist.get_world_size() if par else 1, "steps": losses,
               "val_loss": val,
               "tokens_per_s": len(losses) * args.batch_size * args.block_size / seconds if seconds else 0.0,
               "seconds": seconds}
-    if args.json:
+    if args.json and (par is None or par.is_main):
         with open(args.json, "w") as f:
             json.dump(result, f)
         print(f"results written to {args.json}")
+    if par is not None:
+        parallelism.finish()
 
 
 if __name__ == "__main__":
