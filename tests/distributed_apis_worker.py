@@ -13,6 +13,11 @@ pass, and raises otherwise):
   funcol    torch.distributed._functional_collectives (all_reduce,
             all_gather_tensor, reduce_scatter_tensor) eagerly and inside
             torch.compile(fullgraph=True), against the values computed on the CPU.
+  fsdp-options       FSDP2's reshard_after_forward (False, True, an int) and a
+            bf16 MixedPrecisionPolicy, clipping the DTensor gradients, against
+            one process on the global batch.
+  sequence-parallel  SequenceParallel + colwise/rowwise on sequence shards,
+            forward and backward against one process.
 """
 
 from __future__ import annotations
@@ -119,13 +124,107 @@ def funcol(directory: str, rank: int, world: int) -> None:
             assert torch.equal(got.cpu(), expected), (name, got, expected)
 
 
+def _reference_training(model: torch.nn.Module, batches, clip: float) -> torch.nn.Module:
+    """One process on the global batches: SGD with gradient clipping."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x in batches:
+        model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def fsdp_options(directory: str, rank: int, world: int) -> None:
+    """FSDP2 with reshard_after_forward False / True / an int, and with a
+    bf16 MixedPrecisionPolicy; gradient clipping over the DTensor grads;
+    three SGD steps against one process on the global batch."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("kiln", (world,))
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.GELU(), torch.nn.Linear(32, 4)).to("kiln")
+    batches = [torch.randn(4 * world, 8, device="kiln") for _ in range(3)]
+    reference = _reference_training(copy.deepcopy(base), batches, clip=0.1)
+    configs = [({"reshard_after_forward": False}, 1e-5), ({"reshard_after_forward": True}, 1e-5),
+               ({"reshard_after_forward": world if world > 1 else True}, 1e-5),
+               ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)}, 3e-2)]
+    for options, tolerance in configs:
+        model = copy.deepcopy(base)
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for x in batches:
+            local = x.chunk(world)[rank]
+            model(local).float().square().mean().backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            assert type(norm).__name__ == "DTensor", type(norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+            full = got.full_tensor()
+            assert full.dtype == torch.float32, (options, name, full.dtype)
+            gap = ((full - want).abs().max() / want.abs().max()).item()
+            assert gap <= tolerance, (options, name, gap)
+
+
+def sequence_parallel(directory: str, rank: int, world: int) -> None:
+    """parallelize_module with SequenceParallel on a LayerNorm and colwise /
+    rowwise linears that take and give sequence shards, forward and backward
+    against one process."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            self.up = torch.nn.Linear(16, 32)
+            self.down = torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(self.norm(x))))
+
+    mesh = init_device_mesh("kiln", (world,))
+    torch.manual_seed(0)
+    reference = Block().to("kiln")
+    model = copy.deepcopy(reference)
+    parallelize_module(model, mesh, {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    x = torch.randn(2, 4 * world, 16, device="kiln")
+    want = reference(x)
+    want.square().sum().backward()
+    local = x.chunk(world, dim=1)[rank]  # this rank's sequence shard
+    got = model(local)
+    got.square().sum().backward()
+    assert torch.allclose(got, want.chunk(world, dim=1)[rank], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        assert torch.allclose(grad, q.grad, rtol=1e-4, atol=1e-5), (name, (grad - q.grad).abs().max())
+
+
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.kiln.set_device(local_rank)
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    {"dcp-save": dcp_save, "dcp-load": dcp_load, "funcol": funcol}[scenario](directory, rank, world)
+    scenarios = {"dcp-save": dcp_save, "dcp-load": dcp_load, "funcol": funcol,
+                 "fsdp-options": fsdp_options, "sequence-parallel": sequence_parallel}
+    scenarios[scenario](directory, rank, world)
     dist.barrier()
     print(f"APIS-OK {scenario} {rank} {world}", flush=True)
     dist.destroy_process_group()

@@ -55,3 +55,12 @@ def test_checkpoint_saved_by_2_ranks_loads_on_4_and_on_1(tmp_path):
 def test_functional_collectives_eager_and_compiled(tmp_path):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     _torchrun(2, "funcol", tmp_path, env)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fsdp2_options_and_clipping(tmp_path, ranks):
+    _torchrun(ranks, "fsdp-options", tmp_path)
+
+
+def test_sequence_parallel(tmp_path):
+    _torchrun(2, "sequence-parallel", tmp_path)
