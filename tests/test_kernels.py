@@ -380,6 +380,8 @@ def test_bad_library_name_and_missing_file():
         kernels.load_inline("bad-name", SCALE, SCALE_SIGNATURES)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         kernels.load("test_nofile_ext", ["/nonexistent/k.cpp"], ["k()"])
+    with pytest.raises(IsADirectoryError, match=r"is a directory; pass the C\+\+ files in it"):
+        kernels.load("test_dir_ext", [os.path.dirname(__file__)], ["k()"])
 
 
 # ---------------------------------------------------------------- cache
@@ -530,6 +532,10 @@ def test_a_kernel_without_tensors_runs_on_the_current_device(fill_lib):
 
 
 def test_more_bad_declarations():
+    for kind in ("int a", "float32[*] t"):  # scalars and tensors count alike
+        many = ", ".join(f"{kind}{i}" for i in range(65))
+        with pytest.raises(ValueError, match="65 arguments; kiln kernels take at most 64"):
+            kernels.load_inline("test_fill_ext", FILL, [f"many({many})"])
     with pytest.raises(ValueError, match="9 dimensions; kiln kernels take at most 8"):
         kernels.load_inline("test_fill_ext", FILL, ["fill(float32[*,*,*,*,*,*,*,*,*]! out, "
                                                      "float v)"])

@@ -125,6 +125,9 @@ def build_library(name: str, *, inline_sources: list[str] = (), source_files: li
     cxx = compiler()
     files = [Path(f).resolve() for f in source_files]
     for f in files:
+        if f.is_dir():
+            raise IsADirectoryError(f"kiln kernel library {name!r}: source file {str(f)!r} is a "
+                                    "directory; pass the C++ files in it")
         if not f.is_file():
             raise FileNotFoundError(f"kiln kernel library {name!r}: source file {str(f)!r} "
                                     "does not exist")

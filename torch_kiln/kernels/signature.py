@@ -37,6 +37,7 @@ DTYPES = {
     "bool": (torch.bool, 9),
 }
 MAX_DIMS = 8  # kiln::kMaxDims in kiln/kernel.h
+MAX_ARGS = 64  # kiln::kMaxArgs in kiln/kernel.h
 DTYPE_CODES = {dtype: code for dtype, code in DTYPES.values()}
 DTYPE_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
 
@@ -84,6 +85,9 @@ def parse(text: str) -> Signature:
     arguments: list[Argument] = []
     for part in (_split_top_level(body) if body else []):
         arguments.append(_parse_argument(text, part, arguments))
+    if len(arguments) > MAX_ARGS:
+        raise ValueError(f"kiln kernel signature of {name!r}: {len(arguments)} arguments; kiln "
+                         f"kernels take at most {MAX_ARGS} (tensors and scalars together)")
     seen = set()
     for argument in arguments:
         if argument.name in seen:

@@ -170,7 +170,8 @@ KILN_SCALAR_TYPE_OF(uint8_t, UInt8)
 KILN_SCALAR_TYPE_OF(bool, Bool)
 #undef KILN_SCALAR_TYPE_OF
 
-constexpr int kMaxDims = 8;
+constexpr int kMaxDims = 8;   // dimensions of a tensor argument
+constexpr int kMaxArgs = 64;  // arguments of a kernel (tensors and scalars)
 
 // A typed, strided view of a kernel's tensor argument. T is the element type
 // (const for read-only access); N the rank. Copyable; does not own memory.
@@ -309,7 +310,6 @@ class KernelContext {
   }
 
  private:
-  static constexpr int kMaxArgs = 64;
   static constexpr int64_t kTensor = 0, kFloat = 1, kInt = 2;
 
   const int64_t* argument(int i, int64_t kind, const char* what) const {
