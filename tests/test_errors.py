@@ -133,6 +133,28 @@ def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
 
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_strided_nested_tensors_on_kiln_move_back_and_refuse_ops_clearly(device):
+    parts = [torch.arange(6.0).view(2, 3), torch.arange(12.0).view(4, 3)]
+    nt = torch.nested.nested_tensor(parts, device=device)  # made by PyTorch's own copy
+    assert nt.is_nested and nt.device == torch.device(device)
+    back = nt.cpu()  # what the user had is not lost
+    assert [t.tolist() for t in back.unbind()] == [p.tolist() for p in parts]
+    as_double = nt.to(torch.float64)
+    assert as_double.device == torch.device(device) and as_double.dtype == torch.float64
+    assert [t.tolist() for t in as_double.cpu().unbind()] == [p.tolist() for p in parts]
+    for op, name in ((lambda: nt * 2, "aten::mul.Tensor"), (lambda: str(nt), "aten::unbind.int"),
+                     (lambda: nt.sum(), "aten::sum")):
+        with pytest.raises(NotImplementedError) as info:
+            op()
+        message = str(info.value)
+        assert message.startswith(f"Kiln does not support strided nested tensors: {name}")
+        assert "layout=torch.jagged" in message and "Could not run" not in message
+    jagged = torch.nested.nested_tensor(parts, layout=torch.jagged, device=device)  # the way out
+    assert (jagged * 2).values().cpu().tolist() == (torch.cat(parts) * 2).tolist()
+
+
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*deprecated")
 @pytest.mark.parametrize("make, what", [
     (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8).to("kiln"),
