@@ -18,6 +18,8 @@ pass, and raises otherwise):
             one process on the global batch.
   sequence-parallel  SequenceParallel + colwise/rowwise on sequence shards,
             forward and backward against one process.
+  failed-read  a collective that fails (sizes differ across ranks): reading
+            its output raises that failure, then "never computed".
 """
 
 from __future__ import annotations
@@ -216,6 +218,29 @@ def sequence_parallel(directory: str, rank: int, world: int) -> None:
         assert torch.allclose(grad, q.grad, rtol=1e-4, atol=1e-5), (name, (grad - q.grad).abs().max())
 
 
+def failed_read(directory: str, rank: int, world: int) -> bool:
+    """A collective that fails on its communication stream (ranks disagree
+    on the size): reading its output raises the failure itself, as reading a
+    failed eager kernel's output does; reading again says it was raised
+    before; synchronize has nothing left to raise. Returns True: the group
+    is unusable afterwards (as an aborted NCCL communicator), so no barrier."""
+    x = torch.ones(3 + rank, device="kiln")
+    dist.all_reduce(x)
+    try:
+        x.tolist()
+        raise AssertionError("reading the failed all_reduce's output did not raise")
+    except RuntimeError as e:
+        assert "Kiln error: all_reduce: kccl: mismatched collectives" in str(e), str(e)
+    try:
+        x.tolist()
+        raise AssertionError("reading it again did not raise")
+    except RuntimeError as e:
+        assert "were never computed" in str(e) and "mismatched collectives" in str(e), str(e)
+        assert "raised at an earlier synchronization" in str(e), str(e)
+    torch.kiln.synchronize()
+    return True
+
+
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -223,9 +248,10 @@ def main() -> None:
     dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     scenarios = {"dcp-save": dcp_save, "dcp-load": dcp_load, "funcol": funcol,
-                 "fsdp-options": fsdp_options, "sequence-parallel": sequence_parallel}
-    scenarios[scenario](directory, rank, world)
-    dist.barrier()
+                 "fsdp-options": fsdp_options, "sequence-parallel": sequence_parallel,
+                 "failed-read": failed_read}
+    if not scenarios[scenario](directory, rank, world):
+        dist.barrier()
     print(f"APIS-OK {scenario} {rank} {world}", flush=True)
     dist.destroy_process_group()
 

@@ -64,3 +64,7 @@ def test_fsdp2_options_and_clipping(tmp_path, ranks):
 
 def test_sequence_parallel(tmp_path):
     _torchrun(2, "sequence-parallel", tmp_path)
+
+
+def test_reading_a_failed_collectives_output_raises_its_error(tmp_path):
+    _torchrun(2, "failed-read", tmp_path)

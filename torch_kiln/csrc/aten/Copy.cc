@@ -214,13 +214,15 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
   KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
                              kilnMemcpyDeviceToHost, stream.stream()));
   if (non_blocking && landing.is_same(dst) && isPinned(dst)) {
-    c10::kiln::checkNotFailedResult(src.storage().data()); // Note [Results of failed kernels]
+    // Note [Results of failed kernels]
+    c10::kiln::checkNotFailedResult(src.storage().data(), src.device().index());
     protectPinned(dst, stream);
     return;
   }
   recordSyncOp(sync_op);
   synchronizeProtectingPinned(stream, landing); // raises a pending kernel error first...
-  c10::kiln::checkNotFailedResult(src.storage().data()); // ...then refuses never-computed values
+  // ...then refuses never-computed values
+  c10::kiln::checkNotFailedResult(src.storage().data(), src.device().index());
   if (!landing.is_same(dst)) {
     dst.copy_(landing);
   }

@@ -1,5 +1,7 @@
 #include "core/FailedResults.h"
 
+#include "core/KilnFunctions.h"
+
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -59,8 +61,9 @@ bool anyFailedResults() {
   return registry().count.load(std::memory_order_relaxed) != 0;
 }
 
-void checkNotFailedResult(const void* data) {
+void checkNotFailedResult(const void* data, c10::DeviceIndex device) {
   if (const auto reason = failedResultReason(data)) {
+    device_synchronize(device); // raises the failure if no synchronization has yet
     TORCH_CHECK(false,
                 "The values of this kiln tensor were never computed: the device kernel that should "
                 "have written them failed (", *reason,

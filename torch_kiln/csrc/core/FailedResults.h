@@ -30,6 +30,8 @@
 #include <optional>
 #include <string>
 
+#include <c10/core/Device.h>
+
 namespace c10::kiln {
 
 // Marks the storage starting at `data` as not holding valid results.
@@ -41,7 +43,11 @@ void clearFailedResult(const void* data);
 // True if any storage is marked (a fast pre-check).
 bool anyFailedResults();
 
-// Throws RuntimeError if the storage starting at `data` is marked.
-void checkNotFailedResult(const void* data);
+// Throws if the storage starting at `data` (on kiln device `device`) is
+// marked: first the failure itself if it is still pending on one of the
+// device's streams (device_synchronize raises it: the kernel may have run on
+// another stream than the reader's, e.g. a collective on a communication
+// stream), else a RuntimeError naming the failure, which was raised before.
+void checkNotFailedResult(const void* data, c10::DeviceIndex device);
 
 } // namespace c10::kiln
