@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
@@ -20,7 +21,9 @@
 #include "core/KilnEvent.h"
 #include "core/KilnException.h"
 #include "core/KilnStream.h"
+#include "distributed/CrossHost.h"
 #include "distributed/Reductions.h"
+#include "distributed/ShmCollectives.h"
 #include "distributed/ShmGroup.h"
 #include "distributed/WorkKCCL.h"
 
@@ -369,8 +372,19 @@ char* bytes(const at::Tensor& t) {
 // ---------------------------------------------------------------- the group
 
 ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                   std::chrono::milliseconds timeout, const std::string& group_name)
+                                   std::chrono::milliseconds timeout, const std::string& group_name,
+                                   std::vector<std::vector<int>> hosts,
+                                   c10::intrusive_ptr<c10d::Backend> gloo_leaders,
+                                   c10::intrusive_ptr<c10d::Backend> gloo_all)
     : Backend(rank, size), timeout_(timeout) {
+  if (hosts.empty()) {
+    std::vector<int> everyone(size);
+    for (int r = 0; r < size; ++r) {
+      everyone[r] = r;
+    }
+    hosts.push_back(std::move(everyone));
+  }
+  HostLayout layout(std::move(hosts), rank, size);
   // Groups made with one store get distinct keys: every rank creates the
   // kccl groups of a store in the same order.
   static std::mutex counter_mutex;
@@ -381,7 +395,17 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
     generation = counters[group_name]++;
   }
   const std::string tag = "kccl/" + std::to_string(generation);
-  shared_ = std::make_shared<KcclShared>(store, rank, size, timeout, tag);
+  if (layout.hosts.size() == 1) {
+    shared_ = std::make_shared<KcclShared>(store, rank, size, timeout, tag);
+  } else {
+    // Note [kccl across hosts]: shared memory among this host's ranks only.
+    auto host_store = c10::make_intrusive<c10d::PrefixStore>(
+        "kccl-host" + std::to_string(layout.host()), store);
+    shared_ = std::make_shared<KcclShared>(host_store, layout.localRank(), layout.localSize(),
+                                           timeout, tag);
+    cross_ = std::make_shared<CrossHost>(std::move(layout), std::move(gloo_leaders),
+                                         std::move(gloo_all));
+  }
   shared_->startCompletionThread();
 }
 
@@ -471,6 +495,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
           });
     });
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->allReduce(g, what, deadline, in, out, op);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -493,28 +523,19 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::broadcast(std::vector<at::Tensor>& te
   call.timeout = timeoutFor(opts.timeout);
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-    const int64_t es = static_cast<int64_t>(in[0].element_size());
-    const bool is_root = g.rank() == root;
-    forEachChunk(in[0].numel(), static_cast<int64_t>(g.slotBytes()) / es, [&](int64_t o, int64_t n) {
-      g.step(
-          what, deadline,
-          [&] {
-            if (is_root) {
-              std::memcpy(g.slot(root), bytes(in[0]) + o * es, n * es);
-            }
-          },
-          [&] {
-            if (!is_root) {
-              std::memcpy(bytes(out[0]) + o * es, g.slot(root), n * es);
-            }
-          });
-    });
     // The root's output is its input: a non-contiguous one was staged
     // through a copy, which the task writes back.
-    if (is_root && in[0].data_ptr() != out[0].data_ptr()) {
+    if (g.rank() == root && in[0].data_ptr() != out[0].data_ptr()) {
       out[0].copy_(in[0]);
     }
+    shmBroadcast(g, what, deadline, bytes(out[0]), out[0].numel() * out[0].element_size(), root);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->broadcast(g, what, deadline, in, out, root);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -560,6 +581,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
       out[0].copy_(in[0]);
     }
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, op, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->reduce(g, what, deadline, in, out, op, root);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -639,6 +666,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allgather(std::vector<std::vector<at:
                t.numel(), -1, -1, describeTensor(t)};
   call.timeout = timeoutFor(opts.timeout);
   call.body = allgatherBody;
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->allGather(g, what, deadline, in, out);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -671,6 +704,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_allgather_base(at::Tensor& output, a
     }
     allgatherBody(g, what, deadline, in, pieces);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->allGather(g, what, deadline, in, out);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -709,6 +748,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter(std::vector<at::Tensor
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     reduceScatterBody(op, g, what, deadline, in, out);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->reduceScatter(g, what, deadline, in, out, op);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -743,6 +788,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
     }
     reduceScatterBody(op, g, what, deadline, pieces, out);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->reduceScatter(g, what, deadline, in, out, op);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -878,19 +929,18 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Te
   call.timeout = timeoutFor(opts.timeout);
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-    const int64_t es = static_cast<int64_t>(in[0].element_size());
-    forEachChunk(in[0].numel(), static_cast<int64_t>(g.slotBytes()) / es, [&](int64_t o, int64_t n) {
-      g.step(
-          what, deadline, [&] { std::memcpy(g.slot(g.rank()), bytes(in[0]) + o * es, n * es); },
-          [&] {
-            if (g.rank() == root) {
-              for (int r = 0; r < g.size(); ++r) {
-                std::memcpy(bytes(out[r]) + o * es, g.slot(r), n * es);
-              }
-            }
-          });
-    });
+    std::vector<char*> dst;
+    for (const auto& o : out) {
+      dst.push_back(bytes(o));
+    }
+    shmGather(g, what, deadline, bytes(in[0]), in[0].numel() * in[0].element_size(), dst, root);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->gather(g, what, deadline, in, out, root);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -947,6 +997,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
           [&] { std::memcpy(bytes(out[0]) + o * es, g.slot(root) + g.rank() * n * es, n * es); });
     });
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->scatter(g, what, deadline, in, out, root);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -985,6 +1041,14 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at:
     std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, g.size());
     alltoallBody(g, what, deadline, ins, outs);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, in_splits = input_splits, out_splits = output_splits, in_row, out_row](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      std::vector<at::Tensor> ins = splitPieces(in[0], in_splits, in_row, x->layout().size());
+      std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, x->layout().size());
+      x->allToAll(g, what, deadline, ins, outs);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -1018,6 +1082,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall(std::vector<at::Tensor>& out
                -1, -1, -1, describeTensor(inputs[0])};
   call.timeout = timeoutFor(opts.timeout);
   call.body = alltoallBody;
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+      x->allToAll(g, what, deadline, in, out);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -1085,6 +1155,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {
     g.step(what, deadline, nullptr, nullptr);
   };
   // dist.barrier() blocks the host, as NCCL's barrier does.
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+                   std::vector<at::Tensor>&, std::vector<at::Tensor>&) {
+      x->barrier(g, what, deadline);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/true);
 }
 
@@ -1102,7 +1178,13 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::pointToPoint(bool is_send, std::vecto
   const char* name = is_send ? "send" : "recv";
   checkSingle(tensors, name);
   checkTensor(tensors[0], name, is_send ? "input" : "output");
-  shared_->group.checkPeer(peer, name);
+  if (cross_) {
+    TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "kccl: ", name, ": invalid peer rank ",
+                      peer, " on rank ", rank_, " (the group has ranks 0 to ", size_ - 1,
+                      "; a rank cannot send to or receive from itself)");
+  } else {
+    shared_->group.checkPeer(peer, name);
+  }
   {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     if (coalescing_) {
@@ -1136,7 +1218,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint(std::vector<Pendin
                single ? describeTensor(ops[0].tensor) : std::to_string(ops.size()) + " transfers"};
   call.timeout = timeout_;
   call.p2p = true;
-  call.body = [plan](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+  call.body = [plan, x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<P2PTransfer> transfers;
     size_t next_in = 0;
@@ -1146,7 +1228,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint(std::vector<Pendin
       transfers.push_back({is_send, peer, bytes(t), t.numel(), static_cast<int64_t>(t.element_size()),
                            static_cast<int32_t>(t.scalar_type()), describeTensor(t)});
     }
-    g.exchange(what, transfers, deadline);
+    if (x) { // Note [kccl across hosts]
+      x->exchange(g, what, transfers, deadline);
+    } else {
+      g.exchange(what, transfers, deadline);
+    }
   };
   return enqueue(std::move(call), /*blocking=*/false);
 }
