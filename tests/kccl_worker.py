@@ -20,6 +20,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch_kiln.distributed
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -106,6 +107,7 @@ def s_backend_info(args):
         "rank": dist.get_rank(),
         "device": str(DEVICE),
         "kccl_type": type(dist.group.WORLD._get_backend(DEVICE)).__name__,
+        "hosts": torch_kiln.distributed.host_layout(),
     }
 
 
@@ -315,7 +317,8 @@ def s_timeout(args):
         start = time.perf_counter()
         work = dist.all_reduce(t, group=group, async_op=True)
         work.wait()  # the host does not block: the failure shows later
-        fragments = ["all_reduce", "sequence number 1", "Float[8]", "ranks [1] did not arrive", "timed out"]
+        fragments = args.get("fragments") or [
+            "all_reduce", "sequence number 1", "Float[8]", "ranks [1] did not arrive", "timed out"]
         out["read"] = expect_error(RuntimeError, fragments, lambda: t.cpu())
         out["seconds"] = time.perf_counter() - start
         out["sync"] = expect_error(RuntimeError, ["all_reduce"], lambda: torch.kiln.synchronize())

@@ -1,0 +1,154 @@
+"""kccl across hosts on one machine (issue 12): ranks given different
+KCCL_HOST_ID values take the cross-host path (shared memory inside each
+"host", Gloo between hosts; Note [kccl across hosts] in
+torch_kiln/csrc/distributed/CrossHost.h).
+
+Every scenario of tests/kccl_worker.py checks its results inside each rank
+against the same computation done with torch on the CPU in rank order, bit
+for bit where the math is the same -- the numbers the one-host path gives
+(tests/test_distributed_kccl.py runs the same scenarios there). DDP is
+compared with one process training on the global batch. Layouts:
+  * 2 hosts x 2 ranks  (hosts [[0, 1], [2, 3]]),
+  * 2 hosts x 1 rank   ([[0], [1]]: everything through Gloo),
+  * 3 ranks on 2 hosts, interleaved ([[0, 2], [1]]: uneven hosts, a
+    host whose ranks are not consecutive).
+Hard timeouts per command (kccl_pool.COMMAND_TIMEOUT); /dev/shm is checked
+after every test. The real two-host test (two network namespaces, torchrun)
+is tests/test_distributed_kccl_two_hosts.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kccl_pool import RankPool, kccl_segments
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+
+LAYOUTS = {
+    "2x2": ["host-a", "host-a", "host-b", "host-b"],
+    "2x1": ["host-a", "host-b"],
+    "interleaved": ["host-a", "host-b", "host-a"],
+}
+EXPECTED_HOSTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "2x1": [[0], [1]],
+    "interleaved": [[0, 2], [1]],
+}
+
+
+def make_pool(layout: str) -> RankPool:
+    ids = LAYOUTS[layout]
+    # A small slot makes the larger tensors below run in many pieces.
+    return RankPool(len(ids), env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024)},
+                    rank_env=lambda rank: {"KCCL_HOST_ID": ids[rank]})
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def pool(request):
+    pool = make_pool(request.param)
+    pool.layout = request.param
+    yield pool
+    pool.close()
+    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments(request):
+    yield
+    if "pool" in request.fixturenames:
+        pool = request.getfixturevalue("pool")
+        assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+def test_ranks_are_grouped_by_host_id(pool):
+    infos = pool.run("backend_info")
+    assert [i["hosts"] for i in infos] == [EXPECTED_HOSTS[pool.layout]] * pool.world
+    assert [i["device"] for i in infos] == [f"kiln:{r}" for r in range(pool.world)]
+
+
+def test_all_reduce_every_op_and_dtype(pool):
+    counts = pool.run("all_reduce_ops")
+    assert len(set(counts)) == 1 and counts[0] > 50
+
+
+def test_collectives(pool):
+    # broadcast and reduce from every root, all_gather(_into_tensor),
+    # reduce_scatter(_tensor) with several ops, 6 dtypes, then barrier.
+    assert pool.run("collectives") == [6] * pool.world
+
+
+def test_chunked_large_tensors(pool):
+    # 40_000 elements are several 64 KiB pieces inside and between hosts.
+    pool.run("chunked", numel=40_000)
+
+
+def test_noncontiguous_and_empty(pool):
+    pool.run("noncontiguous")
+
+
+def test_async_op_streams_and_record_stream(pool):
+    # async_op on the default and a side stream: the host does not block,
+    # the stream waits; the allocator keeps a freed input.
+    pool.run("async")
+
+
+def test_other_device(pool):
+    assert pool.run("other_device", device=1) == ["kiln:1"] * pool.world
+    assert pool.run("other_device", device=0) == ["kiln:0"] * pool.world
+
+
+def test_gather_scatter_all_to_all(pool):
+    texts = pool.run("gather_scatter_alltoall")
+    assert all("rank 0 sends 4 elements to rank 0, which expects 2" in t for t in texts)
+    pool.run("gather_scatter_alltoall", rows=3000)
+
+
+def test_send_recv(pool):
+    # blocking, batch_isend_irecv rings, ungrouped isend before irecv.
+    pool.run("p2p")
+    pool.run("p2p", numel=20_000)
+
+
+def test_coalesced_collectives(pool):
+    pool.run("coalesced")
+
+
+def test_groups(pool):
+    out = pool.run("groups")
+    assert out[0] == {"kccl": "kccl", "cpu:gloo,kiln:kccl": "cpu:gloo,kiln:kccl"}
+
+
+def test_dtensor_and_fsdp2(pool):
+    pool.run("dtensor_fsdp")
+
+
+def test_ddp_matches_one_process(pool):
+    pool.run("ddp")
+    pool.run("ddp", no_sync=True, steps=6)
+    pool.run("ddp", hook="fp16", rtol=1e-2)
+
+
+def test_mismatched_sizes_raise(pool):
+    texts = pool.run("mismatch", seconds=5)
+    assert all("mismatched collectives" in t for t in texts), texts
+
+
+def test_rank_that_never_arrives_times_out():
+    # Rank 0 (leader of host a) runs an all_reduce that rank 1 never joins:
+    # the leaders' Gloo exchange times out within the group's timeout.
+    pool = make_pool("2x1")
+    try:
+        start = time.monotonic()
+        fragments = ["all_reduce", "sequence number 1", "Float[8]", "between hosts", "timed out"]
+        out = pool.run("timeout", seconds=3, fragments=fragments)
+        assert time.monotonic() - start < 60
+        assert 2.5 < out[0]["seconds"] < 30, out[0]
+    finally:
+        pool.close()
+    assert kccl_segments(pool.pids) == []
