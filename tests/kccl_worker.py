@@ -644,6 +644,28 @@ def s_failed_input(args):
     return text
 
 
+def s_split_group(args):
+    """split_group is refused with PyTorch's error: in torch 2.13 a backend
+    that supports splitting must also be NCCL-like (perform_nocolor_split,
+    deep-copyable options), which would break new_group; kccl does not
+    claim it. new_group works instead."""
+    from torch._C._distributed_c10d import Backend
+
+    splits = [list(range(0, WORLD, 2)), list(range(1, WORLD, 2))]
+    text = expect_error(RuntimeError, ["does not support splitting"], lambda: dist.split_group(
+        split_ranks=splits, pg_options=Backend.Options("kccl")))
+    mine = next(s for s in splits if RANK in s)
+    groups = [dist.new_group(ranks=s) for s in splits]
+    group = groups[splits.index(mine)]
+    t = torch.full((4,), float(RANK + 1), device=DEVICE)
+    dist.all_reduce(t, group=group)
+    check_equal(t, torch.full((4,), float(sum(r + 1 for r in mine))), "all_reduce in a new_group")
+    for g in groups:
+        dist.destroy_process_group(g)
+    dist.barrier()
+    return text
+
+
 def s_shm_names(args):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
 

@@ -45,7 +45,9 @@ EXPECTED_HOSTS = {
 def make_pool(layout: str) -> RankPool:
     ids = LAYOUTS[layout]
     # A small slot makes the larger tensors below run in many pieces.
-    return RankPool(len(ids), env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024)},
+    # init_process_group(device_id=kiln:RANK): kccl from the device type
+    # (and a bound device, which split_group needs).
+    return RankPool(len(ids), env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024), "KCCL_TEST_DEVICE_ID": "1"},
                     rank_env=lambda rank: {"KCCL_HOST_ID": ids[rank]})
 
 
@@ -68,6 +70,7 @@ def no_leftover_segments(request):
 
 def test_ranks_are_grouped_by_host_id(pool):
     infos = pool.run("backend_info")
+    assert [i["backend"] for i in infos] == ["kccl"] * pool.world
     assert [i["hosts"] for i in infos] == [EXPECTED_HOSTS[pool.layout]] * pool.world
     assert [i["device"] for i in infos] == [f"kiln:{r}" for r in range(pool.world)]
 
