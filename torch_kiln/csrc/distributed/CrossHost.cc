@@ -50,18 +50,6 @@ std::string describeWords(const int64_t* w) {
   return text.str();
 }
 
-// Chunks of at most `per_step` units; one (empty) chunk for 0.
-template <typename F>
-void forEachPiece(int64_t total, int64_t per_step, F&& f) {
-  per_step = std::max<int64_t>(per_step, 1);
-  int64_t offset = 0;
-  do {
-    const int64_t n = std::min(per_step, total - offset);
-    f(offset, n);
-    offset += n;
-  } while (offset < total);
-}
-
 } // namespace
 
 HostLayout::HostLayout(std::vector<std::vector<int>> hosts_, int rank_, int size)
@@ -179,7 +167,7 @@ void CrossHost::gatherAll(ShmGroup& local, const CollectiveDescription& what, Cl
   const int world = layout_.size();
   const int64_t block_ranks = layout_.max_local;
   const int64_t hosts = static_cast<int64_t>(layout_.hosts.size());
-  forEachPiece(nbytes, static_cast<int64_t>(local.slotBytes()), [&](int64_t o, int64_t c) {
+  forEachChunk(nbytes, static_cast<int64_t>(local.slotBytes()), [&](int64_t o, int64_t c) {
     at::Tensor block;
     std::vector<char*> pieces;
     if (layout_.leader()) {
@@ -205,7 +193,7 @@ void CrossHost::reduceAll(ShmGroup& local, const CollectiveDescription& what, Cl
   const int world = layout_.size();
   const int64_t es = static_cast<int64_t>(in.element_size());
   const int64_t per_step = static_cast<int64_t>(local.slotBytes()) / es;
-  forEachPiece(in.numel(), per_step, [&](int64_t o, int64_t n) {
+  forEachChunk(in.numel(), per_step, [&](int64_t o, int64_t n) {
     at::Tensor everyone;
     if (layout_.leader()) {
       everyone = at::empty({world * n}, in.options());

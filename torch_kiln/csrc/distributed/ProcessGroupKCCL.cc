@@ -346,17 +346,28 @@ void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* collec
                     b.scalar_type());
 }
 
-// Chunks of `total` elements, at most `per_step` each; at least one (empty)
-// chunk so that every rank takes part in one step even for empty tensors.
-template <typename F>
-void forEachChunk(int64_t total, int64_t per_step, F&& f) {
-  TORCH_CHECK(per_step > 0, "kccl: the shared-memory slot is too small for one element");
-  int64_t offset = 0;
-  do {
-    const int64_t n = std::min(per_step, total - offset);
-    f(offset, n);
-    offset += n;
-  } while (offset < total);
+// The root's list of one tensor per rank (gather's outputs, scatter's
+// inputs; `role`), each checked against this rank's tensor `t`; empty on the
+// other ranks, which must not pass one. Throws c10::ValueError.
+std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& t,
+                                 bool is_root, int root, int size, const char* collective,
+                                 const char* list_name, const char* role, const char* t_role) {
+  if (!is_root) {
+    TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "kccl: ",
+                      collective, ": only the root (rank ", root, ") takes a ", list_name);
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == size, "kccl: ",
+                    collective, ": the root needs a ", list_name, " of ", size,
+                    " tensors (one per rank)");
+  for (const auto& x : lists[0]) {
+    checkTensor(x, collective, role);
+    checkSameDtype(t, x, collective);
+    TORCH_CHECK_VALUE(x.numel() == t.numel(), "kccl: ", collective, ": every ", role,
+                      " tensor must have the ", t_role, "'s number of elements (", t.numel(),
+                      "), got ", describeTensor(x));
+  }
+  return lists[0];
 }
 
 at::Tensor slotTensor(ShmGroup& g, int r, size_t byte_offset, int64_t n, const at::Tensor& like) {
@@ -900,22 +911,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Te
   checkTensor(t, kName, "input");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "kccl: gather: the root needs a gather_list of ", size_,
-                      " tensors (one per rank)");
-    for (const auto& o : outputs[0]) {
-      checkTensor(o, kName, "output");
-      checkSameDtype(t, o, kName);
-      TORCH_CHECK_VALUE(o.numel() == t.numel(), "kccl: gather: every output tensor must have the "
-                        "input's number of elements (", t.numel(), "), got ", describeTensor(o));
-    }
-    outs = outputs[0];
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                      "kccl: gather: only the root (rank ", root, ") takes a gather_list");
-  }
+  std::vector<at::Tensor> outs =
+      rootList(outputs, t, rank_ == root, root, size_, kName, "gather_list", "output", "input");
   std::vector<at::Tensor> all = outs;
   all.push_back(t);
   CollectiveCall call;
@@ -953,22 +950,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
   checkTensor(t, kName, "output");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
-                      "kccl: scatter: the root needs a scatter_list of ", size_,
-                      " tensors (one per rank)");
-    for (const auto& i : inputs[0]) {
-      checkTensor(i, kName, "input");
-      checkSameDtype(i, t, kName);
-      TORCH_CHECK_VALUE(i.numel() == t.numel(), "kccl: scatter: every input tensor must have the "
-                        "output's number of elements (", t.numel(), "), got ", describeTensor(i));
-    }
-    ins = inputs[0];
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-                      "kccl: scatter: only the root (rank ", root, ") takes a scatter_list");
-  }
+  std::vector<at::Tensor> ins =
+      rootList(inputs, t, rank_ == root, root, size_, kName, "scatter_list", "input", "output");
   std::vector<at::Tensor> all = ins;
   all.push_back(t);
   CollectiveCall call;

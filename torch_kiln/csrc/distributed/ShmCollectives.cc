@@ -1,29 +1,13 @@
 #include "distributed/ShmCollectives.h"
 
-#include <algorithm>
 #include <cstring>
 
 namespace c10d::kiln {
-namespace {
-
-// Chunks of at most the slot's bytes; one (empty) chunk for 0 bytes.
-template <typename F>
-void forEachSlotChunk(const ShmGroup& g, int64_t nbytes, F&& f) {
-  const auto per_step = static_cast<int64_t>(g.slotBytes());
-  int64_t offset = 0;
-  do {
-    const int64_t n = std::min(per_step, nbytes - offset);
-    f(offset, n);
-    offset += n;
-  } while (offset < nbytes);
-}
-
-} // namespace
 
 void shmBroadcast(ShmGroup& g, const CollectiveDescription& what, ShmGroup::Clock::time_point deadline,
                   char* data, int64_t nbytes, int root) {
   const bool is_root = g.rank() == root;
-  forEachSlotChunk(g, nbytes, [&](int64_t o, int64_t n) {
+  forEachChunk(nbytes, static_cast<int64_t>(g.slotBytes()), [&](int64_t o, int64_t n) {
     g.step(
         what, deadline,
         [&] {
@@ -41,7 +25,7 @@ void shmBroadcast(ShmGroup& g, const CollectiveDescription& what, ShmGroup::Cloc
 
 void shmGather(ShmGroup& g, const CollectiveDescription& what, ShmGroup::Clock::time_point deadline,
                const char* src, int64_t nbytes, const std::vector<char*>& dst, int root) {
-  forEachSlotChunk(g, nbytes, [&](int64_t o, int64_t n) {
+  forEachChunk(nbytes, static_cast<int64_t>(g.slotBytes()), [&](int64_t o, int64_t n) {
     g.step(
         what, deadline, [&] { std::memcpy(g.slot(g.rank()), src + o, n); },
         [&] {

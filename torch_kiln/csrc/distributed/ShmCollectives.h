@@ -1,5 +1,5 @@
 // ShmCollectives.h — byte-level broadcast and gather over one ShmGroup (the
-// ranks of one host), in steps of at most one slot (Note [kccl shared-memory
+// ranks of one host), and the chunking every kccl collective uses, in steps of at most one slot (Note [kccl shared-memory
 // protocol] in ShmGroup.h). Used by ProcessGroupKCCL's one-host collectives
 // and by the intra-host parts of the cross-host ones (CrossHost.h).
 //
@@ -10,13 +10,30 @@
 // `what` between ranks; the group is then broken).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
 #include "distributed/ShmGroup.h"
 
 namespace c10d::kiln {
+
+// Chunks of `total` units (elements or bytes), at most `per_step` each; at
+// least one (empty) chunk so that every rank takes part in one step even for
+// empty tensors. `f(offset, count)`.
+template <typename F>
+void forEachChunk(int64_t total, int64_t per_step, F&& f) {
+  TORCH_CHECK(per_step > 0, "kccl: the shared-memory slot is too small for one element");
+  int64_t offset = 0;
+  do {
+    const int64_t n = std::min(per_step, total - offset);
+    f(offset, n);
+    offset += n;
+  } while (offset < total);
+}
 
 // Copies `nbytes` at `data` of rank `root` (of `g`) to `data` of every rank.
 void shmBroadcast(ShmGroup& g, const CollectiveDescription& what, ShmGroup::Clock::time_point deadline,
