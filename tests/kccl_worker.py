@@ -309,10 +309,10 @@ def s_errors(args):
 
 
 def s_timeout(args):
-    """Rank 0 runs an all_reduce rank 1 never joins."""
+    """Rank `rank` (default 0) runs an all_reduce the others never join."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     out = {}
-    if RANK == 0:
+    if RANK == args.get("rank", 0):
         t = torch.ones(8, device=DEVICE)
         start = time.perf_counter()
         work = dist.all_reduce(t, group=group, async_op=True)

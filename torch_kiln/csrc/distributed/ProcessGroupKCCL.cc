@@ -414,6 +414,7 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
         "kccl-host" + std::to_string(layout.host()), store);
     shared_ = std::make_shared<KcclShared>(host_store, layout.localRank(), layout.localSize(),
                                            timeout, tag);
+    shared_->group.setGroupRanks(layout.hosts[layout.host()]); // messages name group ranks
     cross_ = std::make_shared<CrossHost>(std::move(layout), std::move(gloo_leaders),
                                          std::move(gloo_all));
   }
