@@ -154,9 +154,9 @@ struct CollectiveCall {
   bool p2p = false;   // send/recv: numbered apart from collectives, as in NCCL
   uint64_t order = 0; // issue order on this rank (Note [kccl issue order])
   // Runs inside the task on flat, contiguous host tensors (inputs, outputs).
-  std::function<void(ShmGroup&, const CollectiveDescription&, Clock::time_point,
-                     std::vector<at::Tensor>&, std::vector<at::Tensor>&)>
-      body;
+  using Body = std::function<void(ShmGroup&, const CollectiveDescription&, Clock::time_point,
+                                  std::vector<at::Tensor>&, std::vector<at::Tensor>&)>;
+  Body body;
 };
 
 namespace {
@@ -370,6 +370,40 @@ std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lis
   return lists[0];
 }
 
+// A collective of `name` and `type` on `device`, reading `inputs` and
+// writing `outputs`, described to the other ranks by `described`'s dtype and
+// shape, `numel` (-1: not compared), `root` and `reduce_op` (-1: none).
+CollectiveCall makeCall(const char* name, c10d::OpType type, c10::Device device,
+                        std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                        const at::Tensor& described, int64_t numel, int root, int32_t reduce_op,
+                        std::chrono::milliseconds timeout) {
+  CollectiveCall call;
+  call.name = name;
+  call.type = type;
+  call.device = device;
+  call.inputs = std::move(inputs);
+  call.outputs = std::move(outputs);
+  call.what = {name, 0, static_cast<int32_t>(type), static_cast<int32_t>(described.scalar_type()),
+               numel, root, reduce_op, describeTensor(described)};
+  call.timeout = timeout;
+  return call;
+}
+
+// The task body of a group that spans hosts: runs `member` of its
+// CrossHost with `args` (Note [kccl across hosts]).
+template <typename... Params, typename... Args>
+CollectiveCall::Body crossHostBody(std::shared_ptr<CrossHost> x,
+                                   void (CrossHost::*member)(ShmGroup&, const CollectiveDescription&,
+                                                             Clock::time_point, CrossHost::Tensors&,
+                                                             CrossHost::Tensors&, Params...),
+                                   Args... args) {
+  return [x = std::move(x), member, args...](ShmGroup& g, const CollectiveDescription& what,
+                                             Clock::time_point deadline, std::vector<at::Tensor>& in,
+                                             std::vector<at::Tensor>& out) {
+    ((*x).*member)(g, what, deadline, in, out, args...);
+  };
+}
+
 at::Tensor slotTensor(ShmGroup& g, int r, size_t byte_offset, int64_t n, const at::Tensor& like) {
   return at::from_blob(g.slot(r) + byte_offset, {n}, like.options());
 }
@@ -481,15 +515,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
   const at::Tensor& t = tensors[0];
   checkTensor(t, kName, "input");
   checkReduceOp(opts.reduceOp, t.scalar_type(), kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLREDUCE;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLREDUCE, t.device(), {t}, {t}, t, t.numel(), -1,
+                                 static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -507,11 +534,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
           });
     });
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->allReduce(g, what, deadline, in, out, op);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allReduce, op);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -524,15 +548,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::broadcast(std::vector<at::Tensor>& te
   checkTensor(t, kName, "input");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::BROADCAST;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::BROADCAST, t.device(), {t}, {t}, t, t.numel(), root,
+                                 -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     // The root's output is its input: a non-contiguous one was staged
@@ -542,11 +559,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::broadcast(std::vector<at::Tensor>& te
     }
     shmBroadcast(g, what, deadline, bytes(out[0]), out[0].numel() * out[0].element_size(), root);
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->broadcast(g, what, deadline, in, out, root);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::broadcast, root);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -560,15 +574,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
   checkReduceOp(opts.reduceOp, t.scalar_type(), kName);
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::REDUCE;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::REDUCE, t.device(), {t}, {t}, t, t.numel(), root,
+                                 static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                          std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -593,11 +600,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
       out[0].copy_(in[0]);
     }
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, op, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->reduce(g, what, deadline, in, out, op, root);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduce, op, root);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -668,21 +672,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allgather(std::vector<std::vector<at:
                       "input's number of elements (", t.numel(), "), got ", describeTensor(o));
     all.push_back(o);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLGATHER;
-  call.device = commonDevice(all, kName);
-  call.inputs = {t};
-  call.outputs = outs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLGATHER, commonDevice(all, kName), {t}, outs, t,
+                                 t.numel(), -1, -1, timeoutFor(opts.timeout));
   call.body = allgatherBody;
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->allGather(g, what, deadline, in, out);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allGather);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -699,15 +693,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_allgather_base(at::Tensor& output, a
   TORCH_CHECK_VALUE(output.is_contiguous(), "kccl: all_gather_into_tensor: the output tensor must "
                     "be contiguous (as with NCCL), got ", describeTensor(output), " with strides ",
                     output.strides());
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::_ALLGATHER_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(input.scalar_type()),
-               input.numel(), -1, -1, describeTensor(input)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::_ALLGATHER_BASE,
+                                 commonDevice({input, output}, kName), {input}, {output}, input,
+                                 input.numel(), -1, -1, timeoutFor(opts.timeout));
   call.body = [](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                  std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<at::Tensor> pieces = out[0].chunk(g.size());
@@ -716,11 +704,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_allgather_base(at::Tensor& output, a
     }
     allgatherBody(g, what, deadline, in, pieces);
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->allGather(g, what, deadline, in, out);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allGather);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -746,25 +731,16 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter(std::vector<at::Tensor
                       "the output's number of elements (", t.numel(), "), got ", describeTensor(i));
     all.push_back(i);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::REDUCE_SCATTER;
-  call.device = commonDevice(all, kName);
-  call.inputs = ins;
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::REDUCE_SCATTER, commonDevice(all, kName), ins, {t},
+                                 t, t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
+                                 timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     reduceScatterBody(op, g, what, deadline, in, out);
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->reduceScatter(g, what, deadline, in, out, op);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -782,15 +758,10 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
   TORCH_CHECK_VALUE(input.is_contiguous(), "kccl: reduce_scatter_tensor: the input tensor must be "
                     "contiguous (as with NCCL), got ", describeTensor(input), " with strides ",
                     input.strides());
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::_REDUCE_SCATTER_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(output.scalar_type()),
-               output.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(output)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::_REDUCE_SCATTER_BASE,
+                                 commonDevice({input, output}, kName), {input}, {output}, output,
+                                 output.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
+                                 timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -800,11 +771,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
     }
     reduceScatterBody(op, g, what, deadline, pieces, out);
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->reduceScatter(g, what, deadline, in, out, op);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -916,15 +884,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Te
       rootList(outputs, t, rank_ == root, root, size_, kName, "gather_list", "output", "input");
   std::vector<at::Tensor> all = outs;
   all.push_back(t);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::GATHER;
-  call.device = commonDevice(all, kName);
-  call.inputs = {t};
-  call.outputs = outs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::GATHER, commonDevice(all, kName), {t}, outs, t,
+                                 t.numel(), root, -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<char*> dst;
@@ -933,11 +894,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Te
     }
     shmGather(g, what, deadline, bytes(in[0]), in[0].numel() * in[0].element_size(), dst, root);
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->gather(g, what, deadline, in, out, root);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::gather, root);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -955,15 +913,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
       rootList(inputs, t, rank_ == root, root, size_, kName, "scatter_list", "input", "output");
   std::vector<at::Tensor> all = ins;
   all.push_back(t);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::SCATTER;
-  call.device = commonDevice(all, kName);
-  call.inputs = ins;
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::SCATTER, commonDevice(all, kName), ins, {t}, t,
+                                 t.numel(), root, -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     const int64_t es = static_cast<int64_t>(out[0].element_size());
@@ -981,11 +932,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
           [&] { std::memcpy(bytes(out[0]) + o * es, g.slot(root) + g.rank() * n * es, n * es); });
     });
   };
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->scatter(g, what, deadline, in, out, root);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::scatter, root);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -1007,17 +955,10 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at:
   }
   const int64_t in_row = input.dim() > 0 && input.size(0) > 0 ? input.numel() / input.size(0) : 0;
   const int64_t out_row = output.dim() > 0 && output.size(0) > 0 ? output.numel() / output.size(0) : 0;
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLTOALL_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
   // Element counts may differ between ranks (uneven splits): the first step
   // checks the pieces instead (alltoallBody).
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(input.scalar_type()),
-               -1, -1, -1, describeTensor(input)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLTOALL_BASE, commonDevice({input, output}, kName),
+                                 {input}, {output}, input, -1, -1, -1, timeoutFor(opts.timeout));
   call.body = [in_splits = input_splits, out_splits = output_splits, in_row, out_row](
                   ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -1026,8 +967,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at:
     alltoallBody(g, what, deadline, ins, outs);
   };
   if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_, in_splits = input_splits, out_splits = output_splits, in_row, out_row](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
+    call.body = [x = cross_, in_splits = input_splits, out_splits = output_splits, in_row, out_row](ShmGroup& g,
+                                                                                                    const CollectiveDescription& what,
+                                                                                                    Clock::time_point deadline,
+                                                                                                    std::vector<at::Tensor>& in,
+                                                                                                    std::vector<at::Tensor>& out) {
       std::vector<at::Tensor> ins = splitPieces(in[0], in_splits, in_row, x->layout().size());
       std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, x->layout().size());
       x->allToAll(g, what, deadline, ins, outs);
@@ -1056,21 +1000,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall(std::vector<at::Tensor>& out
   for (const auto& t : inputs) {
     checkSameDtype(t, outputs[0], kName);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLTOALL;
-  call.device = commonDevice(all, kName);
-  call.inputs = inputs;
-  call.outputs = outputs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(inputs[0].scalar_type()),
-               -1, -1, -1, describeTensor(inputs[0])};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLTOALL, commonDevice(all, kName), inputs, outputs,
+                                 inputs[0], -1, -1, -1, timeoutFor(opts.timeout));
   call.body = alltoallBody;
-  if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-      x->allToAll(g, what, deadline, in, out);
-    };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allToAll);
   }
   return enqueue(std::move(call), /*blocking=*/false);
 }
@@ -1140,8 +1074,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {
   };
   // dist.barrier() blocks the host, as NCCL's barrier does.
   if (cross_) { // Note [kccl across hosts]
-    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
-                   std::vector<at::Tensor>&, std::vector<at::Tensor>&) {
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what,
+                             Clock::time_point deadline, std::vector<at::Tensor>&,
+                             std::vector<at::Tensor>&) {
       x->barrier(g, what, deadline);
     };
   }
