@@ -97,6 +97,9 @@ void CrossHost::wait(ShmGroup& local, const c10::intrusive_ptr<c10d::Work>& work
   } catch (const std::exception& e) {
     reason = e.what();
   }
+  // Gloo may still run it (our deadline came first): the Work keeps the
+  // tensors it holds alive for as long as the group lives.
+  abandoned_.push_back(work);
   std::ostringstream message;
   message << "kccl: " << what.name << " (sequence number " << what.seq;
   if (!what.shape.empty()) {
@@ -381,7 +384,10 @@ void CrossHost::exchange(ShmGroup& local, const CollectiveDescription& what,
   // for its recv to be posted, and an ungrouped isend before the irecv must
   // not hold the communication stream); receives are posted together and
   // waited for, so a batch progresses together.
+  // Receives land in staging buffers first, copied out once all arrived, so
+  // a recv that fails never writes the caller's memory later.
   std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
+  std::vector<std::pair<at::Tensor, char*>> landed;
   for (auto& t : transfers) {
     at::Tensor payload = at::from_blob(t.data, {t.numel * t.element_size},
                                        at::TensorOptions().dtype(at::kByte));
@@ -392,12 +398,16 @@ void CrossHost::exchange(ShmGroup& local, const CollectiveDescription& what,
                                 std::string("send to rank ") + std::to_string(t.peer) + " (" +
                                     what.name + " #" + std::to_string(what.seq) + ")"});
     } else {
-      std::vector<at::Tensor> target = {payload};
+      std::vector<at::Tensor> target = {byteBuffer(payload.numel())};
       recvs.push_back(all_->recv(target, t.peer, 0));
+      landed.emplace_back(target[0], t.data);
     }
   }
   for (auto& work : recvs) {
     wait(local, work, what, deadline, "recv");
+  }
+  for (auto& [buffer, dst] : landed) {
+    std::memcpy(dst, bytes(buffer), buffer.numel());
   }
 }
 

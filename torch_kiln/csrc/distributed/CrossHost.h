@@ -42,7 +42,8 @@
 //       later breaks the group at the group's next operation on that rank.
 // Everything runs inside the collective's task on the kiln communication
 // stream (Note [kccl issue order]), which waits for Gloo's Work within the
-// collective's deadline. A failure between hosts (a Gloo error or timeout,
+// collective's deadline (a Work given up on is kept, with the tensors it
+// holds, for the group's life; receives land in staging buffers). A failure between hosts (a Gloo error or timeout,
 // a mismatch) breaks the host's ShmGroup like a shared-memory timeout; the
 // other ranks of a failing leader's host then fail at their own deadline.
 #pragma once
@@ -147,6 +148,8 @@ class CrossHost {
     std::string what;
   };
   std::vector<PendingSend> pending_sends_;
+  // Gloo Works that failed or outlived their deadline (kept with their tensors).
+  std::vector<c10::intrusive_ptr<c10d::Work>> abandoned_;
 };
 
 } // namespace c10d::kiln
