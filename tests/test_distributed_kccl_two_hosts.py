@@ -6,8 +6,10 @@ own hostname, so kccl finds two hosts by itself (hostname + boot id, Note
 memory inside each namespace, Gloo over the veth pair between them. Only the
 namespaces' own addresses are used (the rendezvous endpoint, --local-addr,
 GLOO_SOCKET_IFNAME, and /etc/netns/<ns>/hosts, which `ip netns exec` mounts
-on /etc/hosts, naming the two hostnames). The ranks train a small model with DDP and compare it
-with one process training on the global batch.
+on /etc/hosts, naming the two hostnames). The ranks run scenarios of
+tests/kccl_worker.py across both: DDP training compared with one process on
+the global batch, every collective compared bit for bit with torch on the
+CPU, and the basics of DTensor and FSDP2.
 
 Needs root and iproute2 (`ip netns`) and util-linux (`unshare`); skipped with
 that reason where the namespaces cannot be created. The fixture removes the
@@ -38,43 +40,23 @@ pytestmark = pytest.mark.skipif(
 RUN_TIMEOUT = 240.0  # seconds, both agents together
 PORT = 29517          # inside namespace a: nothing else listens there
 
+# Each rank runs scenarios of tests/kccl_worker.py (which compare with one
+# process / torch on the CPU in rank order) across the two hosts.
 TRAIN_SCRIPT = """
-import copy, os, socket, torch, torch.distributed as dist
+import os, socket, sys
+sys.path.insert(0, {tests!r})
+import torch, torch.distributed as dist
 import torch_kiln.distributed
-from torch.nn.parallel import DistributedDataParallel as DDP
+import kccl_worker as w
 
-local = int(os.environ["LOCAL_RANK"])
-torch.kiln.set_device(local)
-dev = torch.device("kiln", local)
+torch.kiln.set_device(w.DEVICE)
 dist.init_process_group(backend="kccl")
-rank, world = dist.get_rank(), dist.get_world_size()
 hosts = torch_kiln.distributed.host_layout()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-reference = copy.deepcopy(model)  # one process, the global batch, on the CPU
-ddp = DDP(model.to(dev), bucket_cap_mb=0.001)  # several gradient buckets
-opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-gen = torch.Generator().manual_seed(1)
-per_rank = 4
-for step in range(10):
-    x = torch.randn(per_rank * world, 8, generator=gen)
-    y = torch.randn(per_rank * world, 1, generator=gen)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(ddp(x[mine].to(dev)), y[mine].to(dev)).backward()
-    opt.step()
-    ref_opt.zero_grad()
-    torch.nn.functional.mse_loss(reference(x), y).backward()
-    ref_opt.step()
-diff = max((p.detach().cpu() - q.detach()).abs().max().item()
-           for p, q in zip(model.parameters(), reference.parameters()))
-assert diff < 1e-5, diff
-t = torch.full((3,), float(rank), device=dev)
-dist.all_reduce(t)
-assert torch.equal(t.cpu(), torch.full((3,), float(sum(range(world))))), t
-print(f"KCCL-TWO-HOSTS-OK rank={rank} host={socket.gethostname()} hosts={hosts} diff={diff:.3g}",
-      flush=True)
+w.s_ddp({{}})                   # DDP, several buckets, vs one process on the global batch
+w.s_ddp({{"no_sync": True, "steps": 4}})
+w.s_collectives({{}})           # every collective, bit for bit vs the CPU
+w.s_dtensor_fsdp({{}})          # DTensor and FSDP2 basics
+print(f"KCCL-TWO-HOSTS-OK rank={{dist.get_rank()}} host={{socket.gethostname()}} hosts={{hosts}}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -179,7 +161,7 @@ def agent_command(hosts: TwoHosts, side: str, script: str) -> list[str]:
 
 def test_ddp_across_two_network_namespaces(two_hosts, tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(TRAIN_SCRIPT)
+    script.write_text(TRAIN_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     agents = {}
     for side in "ab":
         env = dict(os.environ, KILN_DEVICE_COUNT="2", OMP_NUM_THREADS="1",
