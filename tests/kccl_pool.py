@@ -138,3 +138,20 @@ class RankPool:
         self.kill()
         for log in self.logs:
             log.close()
+
+
+def serve(pool: RankPool):
+    """The body of a pool fixture (`yield from serve(RankPool(...))`): yields
+    the pool, then closes it and checks that it left no kccl segment."""
+    yield pool
+    pool.close()
+    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+
+
+def check_no_segments(request, fixture_names) -> None:
+    """After a test: the pools among `fixture_names` that the test used hold no
+    kccl segment in /dev/shm (segments are unlinked once all ranks mapped them)."""
+    for name in fixture_names:
+        if name in request.fixturenames:
+            pool = request.getfixturevalue(name)
+            assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from kccl_pool import COMMAND_TIMEOUT, RankPool, kccl_segments
+from kccl_pool import COMMAND_TIMEOUT, RankPool, check_no_segments, kccl_segments, serve
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
@@ -31,27 +31,18 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def pool2():
     # A small slot makes the larger tensors below run in many steps.
-    pool = RankPool(2, env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024)})
-    yield pool
-    pool.close()
-    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+    yield from serve(RankPool(2, env={"KCCL_SHM_SLOT_BYTES": str(64 * 1024)}))
 
 
 @pytest.fixture(scope="module")
 def pool3():
-    pool = RankPool(3, backend="cpu:gloo,kiln:kccl")
-    yield pool
-    pool.close()
-    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+    yield from serve(RankPool(3, backend="cpu:gloo,kiln:kccl"))
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments(request):
     yield
-    for name in ("pool2", "pool3"):
-        if name in request.fixturenames:
-            pool = request.getfixturevalue(name)
-            assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+    check_no_segments(request, ("pool2", "pool3"))
 
 
 def test_backend_selection(pool2):

@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from kccl_pool import RankPool, kccl_segments
+from kccl_pool import RankPool, check_no_segments, serve
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
@@ -55,17 +55,13 @@ def make_pool(layout: str) -> RankPool:
 def pool(request):
     pool = make_pool(request.param)
     pool.layout = request.param
-    yield pool
-    pool.close()
-    assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+    yield from serve(pool)
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_segments(request):
     yield
-    if "pool" in request.fixturenames:
-        pool = request.getfixturevalue("pool")
-        assert kccl_segments(pool.pids) == [], "kccl segments left in /dev/shm"
+    check_no_segments(request, ("pool",))
 
 
 def test_ranks_are_grouped_by_host_id(pool):
@@ -86,19 +82,34 @@ def test_collectives(pool):
     assert pool.run("collectives") == [6] * pool.world
 
 
-def test_chunked_large_tensors(pool):
+# Scenarios whose checks are all inside the ranks (each raises on a wrong
+# value): (scenario, arguments).
+SCENARIOS = [
     # 40_000 elements are several 64 KiB pieces inside and between hosts.
-    pool.run("chunked", numel=40_000)
+    ("chunked", {"numel": 40_000}),
+    ("noncontiguous", {}),
+    # async_op on the default and a side stream: the host does not block, the
+    # stream waits; the allocator keeps a freed input.
+    ("async", {}),
+    # blocking, batch_isend_irecv rings, ungrouped isend before irecv.
+    ("p2p", {}),
+    ("p2p", {"numel": 20_000}),
+    ("coalesced", {}),
+    ("dtensor_fsdp", {}),
+    # DDP against one process on the global batch.
+    ("ddp", {}),
+    ("ddp", {"no_sync": True, "steps": 6}),
+    ("ddp", {"hook": "fp16", "rtol": 1e-2}),
+]
 
 
-def test_noncontiguous_and_empty(pool):
-    pool.run("noncontiguous")
+SCENARIO_IDS = [name + "".join(f"-{k}={v}" for k, v in args.items()) for name, args in SCENARIOS]
 
 
-def test_async_op_streams_and_record_stream(pool):
-    # async_op on the default and a side stream: the host does not block,
-    # the stream waits; the allocator keeps a freed input.
-    pool.run("async")
+@pytest.mark.parametrize("scenario,args", SCENARIOS, ids=SCENARIO_IDS)
+def test_scenario(pool, scenario, args):
+    # pool.run fails the test with the rank's traceback if a check fails.
+    assert len(pool.run(scenario, **args)) == pool.world
 
 
 def test_other_device(pool):
@@ -112,29 +123,9 @@ def test_gather_scatter_all_to_all(pool):
     pool.run("gather_scatter_alltoall", rows=3000)
 
 
-def test_send_recv(pool):
-    # blocking, batch_isend_irecv rings, ungrouped isend before irecv.
-    pool.run("p2p")
-    pool.run("p2p", numel=20_000)
-
-
-def test_coalesced_collectives(pool):
-    pool.run("coalesced")
-
-
 def test_groups(pool):
     out = pool.run("groups")
     assert out[0] == {"kccl": "kccl", "cpu:gloo,kiln:kccl": "cpu:gloo,kiln:kccl"}
-
-
-def test_dtensor_and_fsdp2(pool):
-    pool.run("dtensor_fsdp")
-
-
-def test_ddp_matches_one_process(pool):
-    pool.run("ddp")
-    pool.run("ddp", no_sync=True, steps=6)
-    pool.run("ddp", hook="fp16", rtol=1e-2)
 
 
 def test_mismatched_sizes_raise(pool):
