@@ -53,8 +53,10 @@ def _create_backend(dist_backend_opts, backend_options):
     group_rank, group_size, timeout, group_id). ``backend_options`` is unused
     (kccl has no options of its own yet).
 
+    Collective: the ranks exchange their host identities through the Store
+    and, when they are on several hosts, make the Gloo groups between hosts.
     Raises torch.distributed.DistBackendError if the ranks cannot set up their
-    shared memory within the timeout."""
+    shared memory (or Gloo's connections) within the timeout."""
     from torch_kiln import _C
 
     timeout = dist_backend_opts.timeout
