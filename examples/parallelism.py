@@ -103,8 +103,8 @@ def init(mode: str, device_type: str, heads: int, batch_size: int) -> Parallelis
         device = torch.device(device_type, local_rank)
         torch.accelerator.set_device_index(local_rank)
         # No device_id: a group bound to a device makes init_device_mesh
-        # split it (split_group), which kccl cannot do yet; unbound, the
-        # mesh makes its groups with new_group.
+        # split it (split_group), which PyTorch 2.13 offers only to
+        # NCCL-like backends; unbound, the mesh makes its groups with new_group.
         dist.init_process_group()
 
     from torch.distributed.device_mesh import init_device_mesh

@@ -20,6 +20,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch_kiln.distributed
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -106,6 +107,7 @@ def s_backend_info(args):
         "rank": dist.get_rank(),
         "device": str(DEVICE),
         "kccl_type": type(dist.group.WORLD._get_backend(DEVICE)).__name__,
+        "hosts": torch_kiln.distributed.host_layout(),
     }
 
 
@@ -307,15 +309,16 @@ def s_errors(args):
 
 
 def s_timeout(args):
-    """Rank 0 runs an all_reduce rank 1 never joins."""
+    """Rank `rank` (default 0) runs an all_reduce the others never join."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     out = {}
-    if RANK == 0:
+    if RANK == args.get("rank", 0):
         t = torch.ones(8, device=DEVICE)
         start = time.perf_counter()
         work = dist.all_reduce(t, group=group, async_op=True)
         work.wait()  # the host does not block: the failure shows later
-        fragments = ["all_reduce", "sequence number 1", "Float[8]", "ranks [1] did not arrive", "timed out"]
+        fragments = args.get("fragments") or [
+            "all_reduce", "sequence number 1", "Float[8]", "ranks [1] did not arrive", "timed out"]
         out["read"] = expect_error(RuntimeError, fragments, lambda: t.cpu())
         out["seconds"] = time.perf_counter() - start
         out["sync"] = expect_error(RuntimeError, ["all_reduce"], lambda: torch.kiln.synchronize())
@@ -637,6 +640,28 @@ def s_failed_input(args):
     want = "holds no valid result" if RANK == 0 else "ranks [0] did not arrive"
     assert want in text, text
     dist.destroy_process_group(group)
+    dist.barrier()
+    return text
+
+
+def s_split_group(args):
+    """split_group is refused with PyTorch's error: in torch 2.13 a backend
+    that supports splitting must also be NCCL-like (perform_nocolor_split,
+    deep-copyable options), which would break new_group; kccl does not
+    claim it. new_group works instead."""
+    from torch._C._distributed_c10d import Backend
+
+    splits = [list(range(0, WORLD, 2)), list(range(1, WORLD, 2))]
+    text = expect_error(RuntimeError, ["does not support splitting"], lambda: dist.split_group(
+        split_ranks=splits, pg_options=Backend.Options("kccl")))
+    mine = next(s for s in splits if RANK in s)
+    groups = [dist.new_group(ranks=s) for s in splits]
+    group = groups[splits.index(mine)]
+    t = torch.full((4,), float(RANK + 1), device=DEVICE)
+    dist.all_reduce(t, group=group)
+    check_equal(t, torch.full((4,), float(sum(r + 1 for r in mine))), "all_reduce in a new_group")
+    for g in groups:
+        dist.destroy_process_group(g)
     dist.barrier()
     return text
 

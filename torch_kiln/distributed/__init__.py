@@ -16,22 +16,30 @@ Each rank is a process using its own kiln device (``kiln:LOCAL_RANK``: set
 ``torch.kiln.set_device(local_rank)``). Ranks of one host exchange data
 through POSIX shared memory; every collective is a task on a kiln
 communication stream, ordered after the caller's current stream, as NCCL's
-are on CUDA streams. See docs/distributed.md for what works and what does
+are on CUDA streams. Ranks on different hosts (by hostname and boot id, or
+``KCCL_HOST_ID``) exchange data through Gloo's transport, with shared memory
+still inside each host (Note [kccl across hosts] in
+``torch_kiln/csrc/distributed/CrossHost.h``). See docs/distributed.md for what works and what does
 not yet.
 
 Environment:
     ``KCCL_SHM_SLOT_BYTES``: bytes of each rank's shared-memory slot (default
     4 MiB, 4096 .. 2**30, a multiple of 64); larger collectives run in chunks.
+    ``KCCL_HOST_ID``: this rank's host identity (default: hostname and boot
+    id); ranks with different identities talk through Gloo (``GLOO_SOCKET_IFNAME``
+    picks Gloo's interface).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import os
+import socket
 
 import torch
 
-__all__ = ["BACKEND_NAME", "is_registered"]
+__all__ = ["BACKEND_NAME", "host_id", "host_layout", "is_registered"]
 
 BACKEND_NAME = "kccl"
 _registered = False
@@ -45,8 +53,10 @@ def _create_backend(dist_backend_opts, backend_options):
     group_rank, group_size, timeout, group_id). ``backend_options`` is unused
     (kccl has no options of its own yet).
 
+    Collective: the ranks exchange their host identities through the Store
+    and, when they are on several hosts, make the Gloo groups between hosts.
     Raises torch.distributed.DistBackendError if the ranks cannot set up their
-    shared memory within the timeout."""
+    shared memory (or Gloo's connections) within the timeout."""
     from torch_kiln import _C
 
     timeout = dist_backend_opts.timeout
@@ -54,13 +64,99 @@ def _create_backend(dist_backend_opts, backend_options):
         timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     else:
         timeout_ms = max(1, int(timeout))
+    store = dist_backend_opts.store
+    rank = dist_backend_opts.group_rank
+    size = dist_backend_opts.group_size
+    group_name = str(dist_backend_opts.group_id)
+    hosts = _hosts_of_ranks(store, rank, size, group_name)
+    _layouts[group_name] = hosts
+    gloo_leaders = gloo_all = None
+    if len(hosts) > 1:
+        gloo_leaders, gloo_all = _gloo_between_hosts(store, rank, hosts, timeout_ms, group_name)
     return _C._kccl_create_backend(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        timeout_ms,
-        str(dist_backend_opts.group_id),
+        store, rank, size, timeout_ms, group_name, hosts, gloo_leaders, gloo_all
     )
+
+
+# The host layout of each kccl group made by this process, by group name.
+_layouts: dict[str, list[list[int]]] = {}
+
+
+def host_layout(group=None) -> list[list[int]]:
+    """The group ranks of each host of ``group``'s kccl backend (default: the
+    default group), hosts in the order of their lowest rank: ``[[0, 1]]``
+    when all ranks share this host (shared memory only), ``[[0, 1], [2, 3]]``
+    for two hosts of two ranks (Gloo between them). Raises ValueError if
+    this process made no kccl backend for the group."""
+    import torch.distributed as dist
+
+    name = (group or dist.group.WORLD).group_name
+    if name not in _layouts:
+        raise ValueError(f"host_layout: process group {name!r} has no kccl backend made by this process")
+    return [list(h) for h in _layouts[name]]
+
+
+# Groups made so far per group name: every rank makes the kccl groups of a
+# store in the same order, so the generation keeps their Store keys apart
+# (as ProcessGroupKCCL's constructor does for its own keys).
+_generations: dict[str, int] = {}
+
+
+def host_id() -> str:
+    """This process's host identity for kccl (Note [kccl across hosts] in
+    torch_kiln/csrc/distributed/CrossHost.h): ``KCCL_HOST_ID`` if set,
+    else the hostname and the kernel's boot id. Ranks with the same identity
+    exchange data through shared memory; ranks with different ones through
+    Gloo. Giving the ranks of one machine different ``KCCL_HOST_ID`` values
+    forces the cross-host path there (tests do)."""
+    forced = os.environ.get("KCCL_HOST_ID", "")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _hosts_of_ranks(store, rank: int, size: int, group_name: str) -> list[list[int]]:
+    """The group ranks of each host, hosts in the order of their lowest rank
+    (collective: every rank publishes its host identity in the group's Store
+    and reads everyone's)."""
+    if size == 1:
+        return [[0]]
+    generation = _generations.get(group_name, 0)
+    _generations[group_name] = generation + 1
+    prefix = f"kccl-hosts/{generation}/"
+    store.set(prefix + str(rank), host_id())
+    ids = [store.get(prefix + str(r)).decode() for r in range(size)]
+    hosts: dict[str, list[int]] = {}
+    for r, ident in enumerate(ids):
+        hosts.setdefault(ident, []).append(r)
+    return list(hosts.values())
+
+
+def _gloo_between_hosts(store, rank: int, hosts: list[list[int]], timeout_ms: int, group_name: str):
+    """Gloo groups on the group's Store (Note [kccl across hosts]): among the
+    hosts' lowest ranks (None on the others) and among all ranks. Gloo picks
+    its network interface as usual (``GLOO_SOCKET_IFNAME``, else the
+    hostname's address)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(milliseconds=timeout_ms)
+    generation = _generations[group_name] - 1
+    leaders = [h[0] for h in hosts]
+    gloo_leaders = None
+    if rank in leaders:
+        gloo_leaders = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"kccl-gloo-leaders/{generation}/", store),
+            leaders.index(rank), len(leaders), timeout,
+        )
+    gloo_all = dist.ProcessGroupGloo(
+        dist.PrefixStore(f"kccl-gloo-all/{generation}/", store), rank, sum(map(len, hosts)), timeout
+    )
+    return gloo_leaders, gloo_all
 
 
 # Note [kccl as the default backend of an undefined group]

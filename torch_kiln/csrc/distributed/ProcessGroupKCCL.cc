@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
@@ -20,7 +21,9 @@
 #include "core/KilnEvent.h"
 #include "core/KilnException.h"
 #include "core/KilnStream.h"
+#include "distributed/CrossHost.h"
 #include "distributed/Reductions.h"
+#include "distributed/ShmCollectives.h"
 #include "distributed/ShmGroup.h"
 #include "distributed/WorkKCCL.h"
 
@@ -151,9 +154,9 @@ struct CollectiveCall {
   bool p2p = false;   // send/recv: numbered apart from collectives, as in NCCL
   uint64_t order = 0; // issue order on this rank (Note [kccl issue order])
   // Runs inside the task on flat, contiguous host tensors (inputs, outputs).
-  std::function<void(ShmGroup&, const CollectiveDescription&, Clock::time_point,
-                     std::vector<at::Tensor>&, std::vector<at::Tensor>&)>
-      body;
+  using Body = std::function<void(ShmGroup&, const CollectiveDescription&, Clock::time_point,
+                                  std::vector<at::Tensor>&, std::vector<at::Tensor>&)>;
+  Body body;
 };
 
 namespace {
@@ -343,17 +346,62 @@ void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* collec
                     b.scalar_type());
 }
 
-// Chunks of `total` elements, at most `per_step` each; at least one (empty)
-// chunk so that every rank takes part in one step even for empty tensors.
-template <typename F>
-void forEachChunk(int64_t total, int64_t per_step, F&& f) {
-  TORCH_CHECK(per_step > 0, "kccl: the shared-memory slot is too small for one element");
-  int64_t offset = 0;
-  do {
-    const int64_t n = std::min(per_step, total - offset);
-    f(offset, n);
-    offset += n;
-  } while (offset < total);
+// The root's list of one tensor per rank (gather's outputs, scatter's
+// inputs; `role`), each checked against this rank's tensor `t`; empty on the
+// other ranks, which must not pass one. Throws c10::ValueError.
+std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& t,
+                                 bool is_root, int root, int size, const char* collective,
+                                 const char* list_name, const char* role, const char* t_role) {
+  if (!is_root) {
+    TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "kccl: ",
+                      collective, ": only the root (rank ", root, ") takes a ", list_name);
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == size, "kccl: ",
+                    collective, ": the root needs a ", list_name, " of ", size,
+                    " tensors (one per rank)");
+  for (const auto& x : lists[0]) {
+    checkTensor(x, collective, role);
+    checkSameDtype(t, x, collective);
+    TORCH_CHECK_VALUE(x.numel() == t.numel(), "kccl: ", collective, ": every ", role,
+                      " tensor must have the ", t_role, "'s number of elements (", t.numel(),
+                      "), got ", describeTensor(x));
+  }
+  return lists[0];
+}
+
+// A collective of `name` and `type` on `device`, reading `inputs` and
+// writing `outputs`, described to the other ranks by `described`'s dtype and
+// shape, `numel` (-1: not compared), `root` and `reduce_op` (-1: none).
+CollectiveCall makeCall(const char* name, c10d::OpType type, c10::Device device,
+                        std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                        const at::Tensor& described, int64_t numel, int root, int32_t reduce_op,
+                        std::chrono::milliseconds timeout) {
+  CollectiveCall call;
+  call.name = name;
+  call.type = type;
+  call.device = device;
+  call.inputs = std::move(inputs);
+  call.outputs = std::move(outputs);
+  call.what = {name, 0, static_cast<int32_t>(type), static_cast<int32_t>(described.scalar_type()),
+               numel, root, reduce_op, describeTensor(described)};
+  call.timeout = timeout;
+  return call;
+}
+
+// The task body of a group that spans hosts: runs `member` of its
+// CrossHost with `args` (Note [kccl across hosts]).
+template <typename... Params, typename... Args>
+CollectiveCall::Body crossHostBody(std::shared_ptr<CrossHost> x,
+                                   void (CrossHost::*member)(ShmGroup&, const CollectiveDescription&,
+                                                             Clock::time_point, CrossHost::Tensors&,
+                                                             CrossHost::Tensors&, Params...),
+                                   Args... args) {
+  return [x = std::move(x), member, args...](ShmGroup& g, const CollectiveDescription& what,
+                                             Clock::time_point deadline, std::vector<at::Tensor>& in,
+                                             std::vector<at::Tensor>& out) {
+    ((*x).*member)(g, what, deadline, in, out, args...);
+  };
 }
 
 at::Tensor slotTensor(ShmGroup& g, int r, size_t byte_offset, int64_t n, const at::Tensor& like) {
@@ -369,8 +417,19 @@ char* bytes(const at::Tensor& t) {
 // ---------------------------------------------------------------- the group
 
 ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                   std::chrono::milliseconds timeout, const std::string& group_name)
+                                   std::chrono::milliseconds timeout, const std::string& group_name,
+                                   std::vector<std::vector<int>> hosts,
+                                   c10::intrusive_ptr<c10d::Backend> gloo_leaders,
+                                   c10::intrusive_ptr<c10d::Backend> gloo_all)
     : Backend(rank, size), timeout_(timeout) {
+  if (hosts.empty()) {
+    std::vector<int> everyone(size);
+    for (int r = 0; r < size; ++r) {
+      everyone[r] = r;
+    }
+    hosts.push_back(std::move(everyone));
+  }
+  HostLayout layout(std::move(hosts), rank, size);
   // Groups made with one store get distinct keys: every rank creates the
   // kccl groups of a store in the same order.
   static std::mutex counter_mutex;
@@ -381,7 +440,18 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
     generation = counters[group_name]++;
   }
   const std::string tag = "kccl/" + std::to_string(generation);
-  shared_ = std::make_shared<KcclShared>(store, rank, size, timeout, tag);
+  if (layout.hosts.size() == 1) {
+    shared_ = std::make_shared<KcclShared>(store, rank, size, timeout, tag);
+  } else {
+    // Note [kccl across hosts]: shared memory among this host's ranks only.
+    auto host_store = c10::make_intrusive<c10d::PrefixStore>(
+        "kccl-host" + std::to_string(layout.host()), store);
+    shared_ = std::make_shared<KcclShared>(host_store, layout.localRank(), layout.localSize(),
+                                           timeout, tag);
+    shared_->group.setGroupRanks(layout.hosts[layout.host()]); // messages name group ranks
+    cross_ = std::make_shared<CrossHost>(std::move(layout), std::move(gloo_leaders),
+                                         std::move(gloo_all));
+  }
   shared_->startCompletionThread();
 }
 
@@ -445,15 +515,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
   const at::Tensor& t = tensors[0];
   checkTensor(t, kName, "input");
   checkReduceOp(opts.reduceOp, t.scalar_type(), kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLREDUCE;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLREDUCE, t.device(), {t}, {t}, t, t.numel(), -1,
+                                 static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -471,6 +534,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
           });
     });
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allReduce, op);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -482,39 +548,20 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::broadcast(std::vector<at::Tensor>& te
   checkTensor(t, kName, "input");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::BROADCAST;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::BROADCAST, t.device(), {t}, {t}, t, t.numel(), root,
+                                 -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-    const int64_t es = static_cast<int64_t>(in[0].element_size());
-    const bool is_root = g.rank() == root;
-    forEachChunk(in[0].numel(), static_cast<int64_t>(g.slotBytes()) / es, [&](int64_t o, int64_t n) {
-      g.step(
-          what, deadline,
-          [&] {
-            if (is_root) {
-              std::memcpy(g.slot(root), bytes(in[0]) + o * es, n * es);
-            }
-          },
-          [&] {
-            if (!is_root) {
-              std::memcpy(bytes(out[0]) + o * es, g.slot(root), n * es);
-            }
-          });
-    });
     // The root's output is its input: a non-contiguous one was staged
     // through a copy, which the task writes back.
-    if (is_root && in[0].data_ptr() != out[0].data_ptr()) {
+    if (g.rank() == root && in[0].data_ptr() != out[0].data_ptr()) {
       out[0].copy_(in[0]);
     }
+    shmBroadcast(g, what, deadline, bytes(out[0]), out[0].numel() * out[0].element_size(), root);
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::broadcast, root);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -527,15 +574,8 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
   checkReduceOp(opts.reduceOp, t.scalar_type(), kName);
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::REDUCE;
-  call.device = t.device();
-  call.inputs = {t};
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::REDUCE, t.device(), {t}, {t}, t, t.numel(), root,
+                                 static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                          std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -560,6 +600,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
       out[0].copy_(in[0]);
     }
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduce, op, root);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -629,16 +672,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allgather(std::vector<std::vector<at:
                       "input's number of elements (", t.numel(), "), got ", describeTensor(o));
     all.push_back(o);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLGATHER;
-  call.device = commonDevice(all, kName);
-  call.inputs = {t};
-  call.outputs = outs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLGATHER, commonDevice(all, kName), {t}, outs, t,
+                                 t.numel(), -1, -1, timeoutFor(opts.timeout));
   call.body = allgatherBody;
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allGather);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -654,15 +693,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_allgather_base(at::Tensor& output, a
   TORCH_CHECK_VALUE(output.is_contiguous(), "kccl: all_gather_into_tensor: the output tensor must "
                     "be contiguous (as with NCCL), got ", describeTensor(output), " with strides ",
                     output.strides());
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::_ALLGATHER_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(input.scalar_type()),
-               input.numel(), -1, -1, describeTensor(input)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::_ALLGATHER_BASE,
+                                 commonDevice({input, output}, kName), {input}, {output}, input,
+                                 input.numel(), -1, -1, timeoutFor(opts.timeout));
   call.body = [](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                  std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<at::Tensor> pieces = out[0].chunk(g.size());
@@ -671,6 +704,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_allgather_base(at::Tensor& output, a
     }
     allgatherBody(g, what, deadline, in, pieces);
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allGather);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -695,20 +731,17 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter(std::vector<at::Tensor
                       "the output's number of elements (", t.numel(), "), got ", describeTensor(i));
     all.push_back(i);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::REDUCE_SCATTER;
-  call.device = commonDevice(all, kName);
-  call.inputs = ins;
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::REDUCE_SCATTER, commonDevice(all, kName), ins, {t},
+                                 t, t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
+                                 timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     reduceScatterBody(op, g, what, deadline, in, out);
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -725,15 +758,10 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
   TORCH_CHECK_VALUE(input.is_contiguous(), "kccl: reduce_scatter_tensor: the input tensor must be "
                     "contiguous (as with NCCL), got ", describeTensor(input), " with strides ",
                     input.strides());
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::_REDUCE_SCATTER_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(output.scalar_type()),
-               output.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_), describeTensor(output)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::_REDUCE_SCATTER_BASE,
+                                 commonDevice({input, output}, kName), {input}, {output}, output,
+                                 output.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
+                                 timeoutFor(opts.timeout));
   const c10d::ReduceOp op = opts.reduceOp;
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -743,6 +771,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
     }
     reduceScatterBody(op, g, what, deadline, pieces, out);
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -849,48 +880,23 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::gather(std::vector<std::vector<at::Te
   checkTensor(t, kName, "input");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "kccl: gather: the root needs a gather_list of ", size_,
-                      " tensors (one per rank)");
-    for (const auto& o : outputs[0]) {
-      checkTensor(o, kName, "output");
-      checkSameDtype(t, o, kName);
-      TORCH_CHECK_VALUE(o.numel() == t.numel(), "kccl: gather: every output tensor must have the "
-                        "input's number of elements (", t.numel(), "), got ", describeTensor(o));
-    }
-    outs = outputs[0];
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                      "kccl: gather: only the root (rank ", root, ") takes a gather_list");
-  }
+  std::vector<at::Tensor> outs =
+      rootList(outputs, t, rank_ == root, root, size_, kName, "gather_list", "output", "input");
   std::vector<at::Tensor> all = outs;
   all.push_back(t);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::GATHER;
-  call.device = commonDevice(all, kName);
-  call.inputs = {t};
-  call.outputs = outs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::GATHER, commonDevice(all, kName), {t}, outs, t,
+                                 t.numel(), root, -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
-    const int64_t es = static_cast<int64_t>(in[0].element_size());
-    forEachChunk(in[0].numel(), static_cast<int64_t>(g.slotBytes()) / es, [&](int64_t o, int64_t n) {
-      g.step(
-          what, deadline, [&] { std::memcpy(g.slot(g.rank()), bytes(in[0]) + o * es, n * es); },
-          [&] {
-            if (g.rank() == root) {
-              for (int r = 0; r < g.size(); ++r) {
-                std::memcpy(bytes(out[r]) + o * es, g.slot(r), n * es);
-              }
-            }
-          });
-    });
+    std::vector<char*> dst;
+    for (const auto& o : out) {
+      dst.push_back(bytes(o));
+    }
+    shmGather(g, what, deadline, bytes(in[0]), in[0].numel() * in[0].element_size(), dst, root);
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::gather, root);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -903,33 +909,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
   checkTensor(t, kName, "output");
   const int root = static_cast<int>(opts.rootRank);
   checkRoot(opts.rootRank, size_, kName);
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
-                      "kccl: scatter: the root needs a scatter_list of ", size_,
-                      " tensors (one per rank)");
-    for (const auto& i : inputs[0]) {
-      checkTensor(i, kName, "input");
-      checkSameDtype(i, t, kName);
-      TORCH_CHECK_VALUE(i.numel() == t.numel(), "kccl: scatter: every input tensor must have the "
-                        "output's number of elements (", t.numel(), "), got ", describeTensor(i));
-    }
-    ins = inputs[0];
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-                      "kccl: scatter: only the root (rank ", root, ") takes a scatter_list");
-  }
+  std::vector<at::Tensor> ins =
+      rootList(inputs, t, rank_ == root, root, size_, kName, "scatter_list", "input", "output");
   std::vector<at::Tensor> all = ins;
   all.push_back(t);
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::SCATTER;
-  call.device = commonDevice(all, kName);
-  call.inputs = ins;
-  call.outputs = {t};
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(t.scalar_type()),
-               t.numel(), root, -1, describeTensor(t)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::SCATTER, commonDevice(all, kName), ins, {t}, t,
+                                 t.numel(), root, -1, timeoutFor(opts.timeout));
   call.body = [root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     const int64_t es = static_cast<int64_t>(out[0].element_size());
@@ -947,6 +932,9 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::scatter(std::vector<at::Tensor>& outp
           [&] { std::memcpy(bytes(out[0]) + o * es, g.slot(root) + g.rank() * n * es, n * es); });
     });
   };
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::scatter, root);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -967,17 +955,10 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at:
   }
   const int64_t in_row = input.dim() > 0 && input.size(0) > 0 ? input.numel() / input.size(0) : 0;
   const int64_t out_row = output.dim() > 0 && output.size(0) > 0 ? output.numel() / output.size(0) : 0;
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLTOALL_BASE;
-  call.device = commonDevice({input, output}, kName);
-  call.inputs = {input};
-  call.outputs = {output};
   // Element counts may differ between ranks (uneven splits): the first step
   // checks the pieces instead (alltoallBody).
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(input.scalar_type()),
-               -1, -1, -1, describeTensor(input)};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLTOALL_BASE, commonDevice({input, output}, kName),
+                                 {input}, {output}, input, -1, -1, -1, timeoutFor(opts.timeout));
   call.body = [in_splits = input_splits, out_splits = output_splits, in_row, out_row](
                   ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                   std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
@@ -985,6 +966,17 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall_base(at::Tensor& output, at:
     std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, g.size());
     alltoallBody(g, what, deadline, ins, outs);
   };
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_, in_splits = input_splits, out_splits = output_splits, in_row, out_row](ShmGroup& g,
+                                                                                                    const CollectiveDescription& what,
+                                                                                                    Clock::time_point deadline,
+                                                                                                    std::vector<at::Tensor>& in,
+                                                                                                    std::vector<at::Tensor>& out) {
+      std::vector<at::Tensor> ins = splitPieces(in[0], in_splits, in_row, x->layout().size());
+      std::vector<at::Tensor> outs = splitPieces(out[0], out_splits, out_row, x->layout().size());
+      x->allToAll(g, what, deadline, ins, outs);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -1008,16 +1000,12 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::alltoall(std::vector<at::Tensor>& out
   for (const auto& t : inputs) {
     checkSameDtype(t, outputs[0], kName);
   }
-  CollectiveCall call;
-  call.name = kName;
-  call.type = OpType::ALLTOALL;
-  call.device = commonDevice(all, kName);
-  call.inputs = inputs;
-  call.outputs = outputs;
-  call.what = {kName, 0, static_cast<int32_t>(call.type), static_cast<int32_t>(inputs[0].scalar_type()),
-               -1, -1, -1, describeTensor(inputs[0])};
-  call.timeout = timeoutFor(opts.timeout);
+  CollectiveCall call = makeCall(kName, OpType::ALLTOALL, commonDevice(all, kName), inputs, outputs,
+                                 inputs[0], -1, -1, -1, timeoutFor(opts.timeout));
   call.body = alltoallBody;
+  if (cross_) {
+    call.body = crossHostBody(cross_, &CrossHost::allToAll);
+  }
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -1085,6 +1073,13 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::barrier(const BarrierOptions& opts) {
     g.step(what, deadline, nullptr, nullptr);
   };
   // dist.barrier() blocks the host, as NCCL's barrier does.
+  if (cross_) { // Note [kccl across hosts]
+    call.body = [x = cross_](ShmGroup& g, const CollectiveDescription& what,
+                             Clock::time_point deadline, std::vector<at::Tensor>&,
+                             std::vector<at::Tensor>&) {
+      x->barrier(g, what, deadline);
+    };
+  }
   return enqueue(std::move(call), /*blocking=*/true);
 }
 
@@ -1102,7 +1097,13 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::pointToPoint(bool is_send, std::vecto
   const char* name = is_send ? "send" : "recv";
   checkSingle(tensors, name);
   checkTensor(tensors[0], name, is_send ? "input" : "output");
-  shared_->group.checkPeer(peer, name);
+  if (cross_) {
+    TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "kccl: ", name, ": invalid peer rank ",
+                      peer, " on rank ", rank_, " (the group has ranks 0 to ", size_ - 1,
+                      "; a rank cannot send to or receive from itself)");
+  } else {
+    shared_->group.checkPeer(peer, name);
+  }
   {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     if (coalescing_) {
@@ -1136,7 +1137,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint(std::vector<Pendin
                single ? describeTensor(ops[0].tensor) : std::to_string(ops.size()) + " transfers"};
   call.timeout = timeout_;
   call.p2p = true;
-  call.body = [plan](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
+  call.body = [plan, x = cross_](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                      std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<P2PTransfer> transfers;
     size_t next_in = 0;
@@ -1146,7 +1147,11 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::launchPointToPoint(std::vector<Pendin
       transfers.push_back({is_send, peer, bytes(t), t.numel(), static_cast<int64_t>(t.element_size()),
                            static_cast<int32_t>(t.scalar_type()), describeTensor(t)});
     }
-    g.exchange(what, transfers, deadline);
+    if (x) { // Note [kccl across hosts]
+      x->exchange(g, what, transfers, deadline);
+    } else {
+      g.exchange(what, transfers, deadline);
+    }
   };
   return enqueue(std::move(call), /*blocking=*/false);
 }

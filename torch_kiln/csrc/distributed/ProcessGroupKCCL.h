@@ -1,6 +1,7 @@
 // ProcessGroupKCCL.h — `kccl`, the c10d backend for kiln tensors (what NCCL
-// is to CUDA): torch.distributed collectives between the ranks' processes on
-// one host, through POSIX shared memory (ShmGroup.h).
+// is to CUDA): torch.distributed collectives between the ranks' processes,
+// through POSIX shared memory (ShmGroup.h) between the ranks of one host and
+// Gloo's transport between hosts (CrossHost.h, Note [kccl across hosts]).
 //
 // Behaviour (NCCL's semantics):
 //   * Every collective is a task on the group's *communication stream* of the
@@ -48,14 +49,23 @@ namespace c10d::kiln {
 
 struct KcclShared;       // the group's transport, issue order and completion thread
 struct CollectiveCall;   // one collective, as the task runs it
+class CrossHost;         // the collectives of a group that spans hosts
 
 class ProcessGroupKCCL : public c10d::Backend {
  public:
   // Collective over the group's ranks: sets up the shared-memory transport
-  // through `store` (which must be this group's PrefixStore). Throws
+  // through `store` (which must be this group's PrefixStore). `hosts` lists
+  // the group ranks of each host (empty: all on this one); with more than
+  // one host, shared memory joins the ranks of each host and the Gloo
+  // groups `gloo_leaders` (among the hosts' lowest ranks; null on the
+  // others) and `gloo_all` (among all ranks) join the hosts (Note [kccl
+  // across hosts]). Throws c10::ValueError for a bad layout and
   // c10::DistBackendError if peers do not arrive within `timeout`.
   ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                   std::chrono::milliseconds timeout, const std::string& group_name);
+                   std::chrono::milliseconds timeout, const std::string& group_name,
+                   std::vector<std::vector<int>> hosts = {},
+                   c10::intrusive_ptr<c10d::Backend> gloo_leaders = {},
+                   c10::intrusive_ptr<c10d::Backend> gloo_all = {});
   ~ProcessGroupKCCL() override;
 
   const std::string getBackendName() const override { return "kccl"; }
@@ -135,6 +145,7 @@ class ProcessGroupKCCL : public c10d::Backend {
   std::chrono::milliseconds timeoutFor(std::chrono::milliseconds requested) const;
 
   std::shared_ptr<KcclShared> shared_;
+  std::shared_ptr<CrossHost> cross_; // null when every rank is on this host
   std::chrono::milliseconds timeout_;
   uint64_t seq_ = 0;     // collectives' sequence numbers (compared across ranks)
   uint64_t p2p_seq_ = 0; // send/recv's, numbered apart as in NCCL

@@ -242,8 +242,8 @@ std::string ShmGroup::timeoutMessage(const CollectiveDescription& what, const st
   for (size_t k = 0; k < missing.size(); ++k) {
     const int r = missing[k];
     const uint64_t seq = header(r)->entered_seq.load(std::memory_order_acquire);
-    ranks << (k == 0 ? "" : ", ") << r;
-    last << (k == 0 ? "" : "; ") << "rank " << r << ": "
+    ranks << (k == 0 ? "" : ", ") << groupRank(r);
+    last << (k == 0 ? "" : "; ") << "rank " << groupRank(r) << ": "
          << (seq == 0 ? std::string("none") : "#" + std::to_string(seq));
   }
   std::ostringstream message;
@@ -251,7 +251,7 @@ std::string ShmGroup::timeoutMessage(const CollectiveDescription& what, const st
   if (!what.shape.empty()) {
     message << ", " << what.shape;
   }
-  message << ") timed out on rank " << rank_ << " after "
+  message << ") timed out on rank " << groupRank(rank_) << " after "
           << (what.timeout_ms > 0 ? what.timeout_ms : static_cast<int64_t>(timeout_.count()))
           << " ms (the process group's timeout): ranks [" << ranks.str() << "] did not arrive ("
           << stage << "; last operation they entered: " << last.str()
@@ -346,10 +346,10 @@ void ShmGroup::checkSame(const CollectiveDescription& what) const {
     if (peer->seq != what.seq || peer->kind != what.kind || peer->dtype != what.dtype ||
         peer->numel != what.numel || peer->root != what.root || peer->reduce_op != what.reduce_op) {
       std::ostringstream message;
-      message << "kccl: mismatched collectives: rank " << rank_ << " runs " << what.name
+      message << "kccl: mismatched collectives: rank " << groupRank(rank_) << " runs " << what.name
               << " #" << what.seq << " (" << (what.shape.empty() ? "no tensor" : what.shape)
               << ", " << what.numel << " elements, dtype " << dtypeName(what.dtype) << ", root "
-              << what.root << ", op " << what.reduce_op << ") but rank " << r << " runs "
+              << what.root << ", op " << what.reduce_op << ") but rank " << groupRank(r) << " runs "
               << std::string(peer->name, strnlen(peer->name, sizeof(peer->name))) << " #"
               << peer->seq << " (" << peer->numel << " elements, dtype " << dtypeName(peer->dtype)
               << ", root " << peer->root << ", op " << peer->reduce_op

@@ -115,6 +115,10 @@ class ShmGroup {
   ~ShmGroup();
 
   int rank() const noexcept { return rank_; }
+  // The process group's rank of member `r`, for messages: `r` itself unless
+  // setGroupRanks() named them (a group of one host's ranks, CrossHost.h).
+  int groupRank(int r) const { return group_ranks_.empty() ? r : group_ranks_[r]; }
+  void setGroupRanks(std::vector<int> ranks) { group_ranks_ = std::move(ranks); }
   int size() const noexcept { return size_; }
   // Bytes of each rank's slot.
   size_t slotBytes() const noexcept { return slot_bytes_; }
@@ -177,6 +181,7 @@ class ShmGroup {
   std::chrono::milliseconds timeout_;
   uint64_t step_ = 0;
   std::vector<ShmSegment> segments_; // index = rank; segments_[rank_] is ours
+  std::vector<int> group_ranks_;     // setGroupRanks(); empty: the same numbers
   mutable std::mutex error_mutex_;
   std::string first_error_;
 };

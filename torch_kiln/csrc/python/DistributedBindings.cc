@@ -1,6 +1,8 @@
 #include "python/DistributedBindings.h"
 
 #include <chrono>
+#include <optional>
+#include <vector>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -14,16 +16,21 @@ void bindDistributed(pybind11::module& m) {
   m.def(
       "_kccl_create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
-         const std::string& group_name) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& group_name, std::vector<std::vector<int>> hosts,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> gloo_leaders,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> gloo_all) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "kccl: invalid rank ", rank,
                           " for a group of ", size, " ranks");
         TORCH_CHECK_VALUE(timeout_ms > 0, "kccl: the timeout must be positive, got ", timeout_ms,
                           " ms");
         return c10::make_intrusive<c10d::kiln::ProcessGroupKCCL>(
-            store, rank, size, std::chrono::milliseconds(timeout_ms), group_name);
+            store, rank, size, std::chrono::milliseconds(timeout_ms), group_name, std::move(hosts),
+            gloo_leaders.value_or(nullptr), gloo_all.value_or(nullptr));
       },
       pybind11::arg("store"), pybind11::arg("rank"), pybind11::arg("size"),
       pybind11::arg("timeout_ms"), pybind11::arg("group_name"),
+      pybind11::arg("hosts") = std::vector<std::vector<int>>{},
+      pybind11::arg("gloo_leaders") = pybind11::none(), pybind11::arg("gloo_all") = pybind11::none(),
       pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
