@@ -92,6 +92,8 @@ class _Scanner(ast.NodeVisitor):
         self.lines = lines
         self.imports = imports
         self.found: list[Finding] = []
+        # (finding, the node it was found at), for --fix (torch_kiln/audit/fix.py).
+        self.sites: list[tuple[Finding, ast.AST]] = []
         self.parents: dict[int, ast.AST] = {}
         self.covered: set[int] = set()  # nodes inside an already-reported extension build
 
@@ -101,8 +103,10 @@ class _Scanner(ast.NodeVisitor):
         return self.lines[line - 1].strip() if line and line <= len(self.lines) else ""
 
     def add(self, category: str, node: ast.AST, message: str, **kwargs) -> None:
-        self.found.append(_finding(category, self.file, getattr(node, "lineno", None), message,
-                                   self.code(node), **kwargs))
+        finding = _finding(category, self.file, getattr(node, "lineno", None), message,
+                           self.code(node), **kwargs)
+        self.found.append(finding)
+        self.sites.append((finding, node))
 
     def qualified(self, node: ast.AST) -> str | None:
         """The dotted name an expression stands for, through the imports."""
