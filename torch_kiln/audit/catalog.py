@@ -68,6 +68,8 @@ _CATEGORY_LIST = [
     Category("op-failure", "operator failed on kiln", "high", "fails", "needs a decision",
              "follow the error's advice; an operator CUDA runs and kiln does not is a kiln "
              "gap: report it"),
+    Category("dtype-change", "dtype change", "medium", "works", "needs a decision",
+             "ask for the dtype the program means where the data enters"),
     Category("graph-break", "torch.compile graph break", "medium", "slower", "needs a decision",
              "move the breaking line out of the compiled region, or make it traceable"),
     Category("recompilation", "torch.compile recompilation", "low", "slower", "needs a decision",
