@@ -4,6 +4,7 @@ PyTorch with the losses of the original under ``--map-cuda``, each rewrite
 form gives the portable code, and bad input (a syntax error, a file outside
 the user's tree, a --fix path that is a script) never patches anything."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -304,3 +305,40 @@ def test_extension_tree_patches_the_imported_module_too(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "+++ b/ext_helpers.py" in result.stdout and "+++ b/ext_train.py" in result.stdout
     assert "#   add_kernel.cu:1: cuda-extension [needs a kernel rewrite]" in result.stdout
+
+
+def test_strings_that_are_names_among_names_are_listed_not_rewritten():
+    new, unfixed = rewrite('''\
+        import torch
+        suffix = {"cuda": ".cubin"}["cuda"]
+        has = hasattr(torch.version, "cuda")
+        kinds = ["cuda", "mps"]
+        nccl = backend == "nccl"
+        ''')
+    assert "device" not in new
+    assert [(line, why.split(":")[0]) for line, _, why in unfixed] == [
+        (2, "a dict key"), (2, "an index"), (3, "an attribute name, not a device"),
+        (4, "one of a list of names"), (5, "a test for NCCL")]
+
+
+def test_edits_are_checked_against_the_source_at_their_position():
+    """ast's positions inside f-strings are not exact before Python 3.12, so
+    every replaced node's text is compared with the node first."""
+    new, unfixed = rewrite('''\
+        import torch
+        msg = f"on {torch.cuda.current_device()} of {torch.cuda.device_count()}"
+        ''')
+    assert unfixed == [] and new.endswith(
+        'msg = f"on {torch.accelerator.current_device_index()} of '
+        '{torch.accelerator.device_count()}"\n')
+    from torch_kiln.audit.fix import _Source, _Unfixable
+
+    source = _Source('x = "cuda"; y = torch.cuda.synchronize\n')
+    tree = ast.parse(source.text)
+    string, name = tree.body[0].value, tree.body[1].value
+    assert source.span(string) == (4, 10) and source.span(name) == (16, 38)
+    string.col_offset += 1  # a position that is off by one
+    name.end_col_offset -= 1
+    for node in (string, name):
+        with pytest.raises(_Unfixable, match="source position is not exact"):
+            source.span(node)

@@ -85,11 +85,11 @@ def _write_fix(report, path: str, root: str | None) -> None:
         sys.stdout.flush()
         sys.stdout.write(result.diff)
         sys.stdout.flush()
-        where = "stdout"
+        where = "the diff to stdout"
     else:
         with open(path, "w", encoding="utf-8", newline="") as handle:
             handle.write(result.diff)
-        where = path
+        where = f"the diff to {path}"
     sys.stderr.write(f"kiln-audit --fix: wrote {where}: {len(result.fixed)} finding(s) "
                      f"rewritten in {len(result.files)} file(s), {len(result.unfixed)} listed "
                      f"as not rewritten, {len(result.skipped)} file(s) not patched; nothing "

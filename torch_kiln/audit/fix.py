@@ -82,8 +82,7 @@ _NEWLINE = re.compile(r"\r\n|\r|\n")
 _NOT_REWRITTEN = {
     "cuda-branch": "a decision: after the patch this branch still tests for CUDA, so on kiln "
                    "or any other accelerator it takes its non-CUDA side",
-    "cuda-setting": "kept: valid everywhere and without effect off CUDA; choose the portable "
-                    "knob if you want its behaviour",
+    "cuda-setting": "kept: valid everywhere, and without effect off CUDA",
     "nvtx": "push/pop pairs become one `with` block: by hand",
     "cuda-graphs": "a decision: capture and replay have no drop-in portable form",
     "cuda-extension": "a kernel rewrite",
@@ -148,6 +147,23 @@ class _Source:
 
     def segment(self, node: ast.AST) -> str:
         return self.text[self.start(node):self.end(node)]
+
+    def span(self, node: ast.AST) -> tuple[int, int]:
+        """``node``'s (start, end) offsets, checked against its own source
+        (a dotted name's text, a string's value): ``ast`` positions inside
+        f-strings are unreliable before Python 3.12, and an edit at a wrong
+        position could still parse. Raises _Unfixable on a mismatch."""
+        text = self.segment(node)
+        if isinstance(node, ast.Constant):
+            try:
+                ok = ast.literal_eval(text) == node.value
+            except (ValueError, SyntaxError):
+                ok = False
+        else:
+            ok = "".join(text.split()) == "".join(ast.unparse(node).split())
+        if not ok:
+            raise _Unfixable("its source position is not exact (inside an f-string?)")
+        return self.start(node), self.end(node)
 
 
 def _bound_names(tree: ast.AST) -> set[str]:
@@ -248,7 +264,7 @@ class _Fixer:
 
     def dot_cuda(self, call: ast.Call) -> list[_Edit]:
         func = call.func
-        end = self.source.end(func)
+        _, end = self.source.span(func)
         if self.source.text[end - 4:end] != "cuda":
             raise _Unfixable("the call is not written `.cuda(`")
         if any(isinstance(a, ast.Starred) for a in call.args) or any(
@@ -259,8 +275,7 @@ class _Fixer:
         index = call.args[0] if call.args else (device_kw[0].value if device_kw else None)
         if index is None or (isinstance(index, ast.Constant) and index.value is None):
             if index is not None:  # .cuda(None) / .cuda(device=None): the current device
-                edits.append(_Edit(self.source.start(index), self.source.end(index),
-                                   self.dev()))
+                edits.append(_Edit(*self.source.span(index), self.dev()))
             else:
                 rest = ", " if call.keywords else ""
                 position = self.open_paren(call)
@@ -271,7 +286,7 @@ class _Fixer:
             raise _Unfixable("a device index that is not a literal integer: "
                              f"use torch.device({self.device}.type, index)")
         replacement = f"{self.t('device')}({self.dev()}.type, {index.value})"
-        edits.append(_Edit(self.source.start(index), self.source.end(index), replacement))
+        edits.append(_Edit(*self.source.span(index), replacement))
         return edits
 
     def device_string(self, node: ast.AST) -> list[_Edit]:
@@ -286,11 +301,30 @@ class _Fixer:
         if isinstance(parent, (ast.JoinedStr, ast.FormattedValue, ast.MatchValue)) or (
                 isinstance(parent, ast.Expr)):
             raise _Unfixable("a string that is not an expression on its own")
+        self._check_device_use(node, parent)
         value = node.value
         index = _CUDA_INDEX.fullmatch(value)
+        start, end = self.source.span(node)
         replacement = (f'f"{{{self.dev()}.type}}:{index.group(1)}"' if index
                        else f"{self.dev()}.type")
-        return [_Edit(self.source.start(node), self.source.end(node), replacement)]
+        return [_Edit(start, end, replacement)]
+
+    @staticmethod
+    def _check_device_use(node: ast.AST, parent: ast.AST | None) -> None:
+        """Raises _Unfixable where the string is a name among names, not
+        obviously a device: a dict key, an index, an attribute name, one
+        string of a list of strings (["cuda", "mps"])."""
+        if isinstance(parent, ast.Dict) and any(k is node for k in parent.keys):
+            raise _Unfixable("a dict key: decide which device the mapping means")
+        if isinstance(parent, ast.Subscript) and parent.slice is node:
+            raise _Unfixable("an index: decide which device the lookup means")
+        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
+                and parent.func.id in ("hasattr", "getattr", "setattr", "delattr")):
+            raise _Unfixable("an attribute name, not a device")
+        if isinstance(parent, (ast.List, ast.Tuple, ast.Set)) and sum(
+                isinstance(e, ast.Constant) and isinstance(e.value, str)
+                for e in parent.elts) > 1:
+            raise _Unfixable("one of a list of names: decide which device it means")
 
     def torch_cuda(self, node: ast.AST) -> list[_Edit]:
         name = self.scanner.qualified(node) or ""
@@ -303,13 +337,14 @@ class _Fixer:
             raise _Unfixable(f"torch.{target} takes positional arguments only")
         if not isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
             raise _Unfixable("assigned to, not called")
-        return [_Edit(self.source.start(node), self.source.end(node), self.t(target))]
+        start, end = self.source.span(node)
+        return [_Edit(start, end, self.t(target))]
 
     def cuda_amp(self, node: ast.AST) -> list[_Edit]:
         name = self.scanner.qualified(node) or ""
         rest = name[len("torch.cuda.amp."):] if name.startswith("torch.cuda.amp.") else ""
         call = self.call_of(node)
-        start, end = self.source.start(node), self.source.end(node)
+        start, end = self.source.span(node)
         if rest in ("custom_fwd", "custom_bwd"):
             if call is None:
                 return [_Edit(start, end,
@@ -337,12 +372,16 @@ class _Fixer:
         edits = [_Edit(start, end, self.t("autocast")),
                  _Edit(position, position, ", ".join(first) + more)]
         for keyword, arg in zip(_AUTOCAST_POSITIONAL, call.args):
-            edits.append(_Edit(self.source.start(arg), self.source.start(arg), keyword + "="))
+            position = self.source.span(arg)[0]
+            edits.append(_Edit(position, position, keyword + "="))
         return edits
 
     def nccl(self, node: ast.AST) -> list[_Edit]:
         if not (isinstance(node, ast.Constant) and node.value == "nccl"):
             raise _Unfixable('a backend spec other than "nccl": name each device\'s backend')
+        if self.scanner.in_comparison(node):
+            raise _Unfixable("a test for NCCL: decide what the other backends do")
+        self._check_device_use(node, self.scanner.parent(node))
         dist = [a.asname for stmt in self.tree.body if isinstance(stmt, ast.Import)
                 for a in stmt.names if a.name == "torch.distributed" and a.asname] + [
                 a.asname or a.name for stmt in self.tree.body if isinstance(stmt, ast.ImportFrom)
@@ -350,8 +389,8 @@ class _Fixer:
                 if a.name == "distributed"]  # module-level bindings only
         function = (f"{dist[0]}.get_default_backend_for_device" if dist
                     else self.t("distributed.get_default_backend_for_device"))
-        replacement = f"{function}({self.dev()})"
-        return [_Edit(self.source.start(node), self.source.end(node), replacement)]
+        start, end = self.source.span(node)
+        return [_Edit(start, end, f"{function}({self.dev()})")]
 
     # --- the definition ----------------------------------------------------------------------
     def prelude(self) -> _Edit | None:
@@ -545,7 +584,10 @@ def _header(root: str, fixed: list[Finding], unfixed: list[tuple[Finding, str]],
             where = _display(finding.file, root) + (f":{finding.line}" if finding.line else "")
             out.append(f"#   {where}: {finding.category} [{finding.effort}]: "
                        f"{finding.code or finding.message}\n")
-            out.append(f"#       not rewritten: {reason}; suggested: {finding.replacement}\n")
+            # A setting's message names its portable knob; other findings' replacement does.
+            suggested = finding.message if finding.category == "cuda-setting" else \
+                finding.replacement
+            out.append(f"#       not rewritten: {reason}; suggested: {suggested}\n")
     for path, reason in skipped:
         out.append(f"# not patched: {_display(path, root)}: {reason}\n")
     if not fixed and not skipped and not unfixed:
