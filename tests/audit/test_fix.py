@@ -342,3 +342,25 @@ def test_edits_are_checked_against_the_source_at_their_position():
     for node in (string, name):
         with pytest.raises(_Unfixable, match="source position is not exact"):
             source.span(node)
+
+
+def test_fix_with_a_run_follows_the_scripts_output_on_stdout(tmp_path):
+    script = tmp_path / "small.py"
+    script.write_text("import torch\nx = torch.ones(2).cuda()\nprint('sum', x.sum().item())\n")
+    result, report = run_audit_json(tmp_path, "--map-cuda", "--fix", "-", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    output, diff = result.stdout.split("# kiln-audit --fix:", 1)
+    assert output == "sum 2.0\n"
+    assert "+x = torch.ones(2).to(device)\n" in diff
+    assert report["run"]["exit_status"] == 0  # the report covers the run as before
+    assert "kiln-audit --fix: wrote the diff to stdout: 1 finding(s) rewritten" in result.stderr
+
+
+def test_a_file_not_in_plain_utf8_is_not_patched(tmp_path):
+    script = tmp_path / "latin.py"
+    script.write_bytes(b"# -*- coding: latin-1 -*-\nimport torch\nname = '\xe9'\n"
+                       b"x = torch.ones(1).cuda()\n")
+    result = make_fix([str(script)], str(tmp_path))
+    assert result.files == [] and result.skipped == [
+        (str(script), "encoded as iso-8859-1, not plain UTF-8: not patched")]
+    assert "# not patched: latin.py: encoded as iso-8859-1" in result.diff

@@ -63,14 +63,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import io
 import os
 import re
-import tokenize
 
 from torch_kiln.audit import catalog
 from torch_kiln.audit.findings import Finding
-from torch_kiln.audit.static import _Imports, _Scanner, _is_third_party
+from torch_kiln.audit.static import _Imports, _Scanner, _is_third_party, read_source
 
 __all__ = ["FixResult", "make_fix", "fix_source"]
 
@@ -480,16 +478,6 @@ def fix_source(text: str, file: str) -> tuple[str | None, list[Finding],
     return new, fixed, unfixed, ""
 
 
-def _read(path: str) -> str:
-    with open(path, "rb") as handle:
-        data = handle.read()
-    try:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    except SyntaxError:
-        encoding = "utf-8"
-    return data.decode(encoding)
-
-
 def _diff(old: str, new: str, name: str) -> list[str]:
     """A unified diff of two texts; a missing final newline is marked as
     ``diff`` marks it, so ``patch`` and ``git apply`` reproduce the bytes."""
@@ -535,9 +523,13 @@ def make_fix(files: list[str], root: str, findings: list[Finding] | None = None)
             skipped.append((real, f"outside the user's tree ({root}): never patched"))
             continue
         try:
-            text = _read(real)
+            text, encoding = read_source(real, errors="strict")
         except (OSError, UnicodeDecodeError) as error:
             skipped.append((real, f"cannot be read: {error}"))
+            continue
+        if encoding != "utf-8":
+            # The diff is UTF-8 without a BOM; patch would not find this file's lines.
+            skipped.append((real, f"encoded as {encoding}, not plain UTF-8: not patched"))
             continue
         new, file_fixed, file_unfixed, reason = fix_source(text, real)
         fixed.extend(file_fixed)
