@@ -191,6 +191,20 @@ def test_replay_outcomes_in_process():
     outcome, error = replay_on_cpu(torch.Tensor.add_, (leaf, 1), {})
     assert outcome == FAILS_ON_CPU and "leaf Variable that requires grad" in error
     assert torch.equal(leaf.detach().cpu(), torch.ones(2))
+    # A replay draws nothing from the program's CPU random stream.
+    torch.manual_seed(0)
+    expected = torch.randn(3)
+    torch.manual_seed(0)
+    def draws(x):  # a call that runs on the CPU and draws from its generator
+        return x + torch.randn(5).sum()
+
+    assert replay_on_cpu(draws, (torch.ones(1, device="kiln"),), {}) == (UNSUPPORTED, "")
+    assert torch.equal(torch.randn(3), expected)
+    # Nothing big is allocated again on the CPU.
+    outcome, why = replay_on_cpu(torch.zeros, (1 << 20, 1 << 20), {"device": "kiln"})
+    assert (outcome, why) == (NOT_REPLAYED, f"a call that may allocate {1 << 40} elements")
+    oom = torch.OutOfMemoryError("kiln: out of memory")
+    assert replay_on_cpu(torch.ones, (4,), {"device": "kiln"}, oom)[0] == NOT_REPLAYED
 
 
 def test_tracer_restores_autocast_after_an_in_process_audit():

@@ -10,8 +10,10 @@ replay is not traced). Each kiln tensor argument is copied to the CPU
 own errors replay too), each ``kiln``/``kiln:N`` device (string or
 ``torch.device``) becomes ``cpu``, and the same function is called. Inputs are
 copies: an in-place op changes nothing of the program's; warnings the replay
-raises are dropped (the program's stderr is its own). Calls whose kiln
-inputs total more than :data:`MAX_BYTES` are not replayed (the copies would
+raises are dropped (the program's stderr is its own), and the CPU
+generator's state is restored. Calls whose kiln inputs total more than
+:data:`MAX_BYTES`, factories whose integer arguments multiply past it, and
+out-of-memory errors are not replayed (the copies or the allocation would
 cost the program's memory and time).
 """
 
@@ -58,25 +60,39 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def replay_on_cpu(func: Callable, args: tuple, kwargs: dict) -> tuple[str, str]:
+def replay_on_cpu(func: Callable, args: tuple, kwargs: dict,
+                  error: BaseException | None = None) -> tuple[str, str]:
     """Calls ``func`` again with CPU copies of ``args``/``kwargs``; returns
     ``(outcome, text)``: :data:`UNSUPPORTED` and ``""`` if the CPU ran it,
     :data:`FAILS_ON_CPU` and the CPU's error, or :data:`NOT_REPLAYED` and
-    why. Never raises (a replay that cannot be made is an outcome)."""
+    why. ``error`` is kiln's: an out-of-memory error is not replayed (the
+    CPU would try the same allocation). The CPU generator's state is
+    restored afterwards, so a random op's replay draws nothing from the
+    program's stream. Never raises (a replay that cannot be made is an
+    outcome)."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return NOT_REPLAYED, "kiln ran out of memory (the CPU would try the same allocation)"
     leaves, _ = tree_flatten((args, kwargs))
     if not any(_is_kiln(leaf) for leaf in leaves):
         return NOT_REPLAYED, "no kiln tensor or device in the call (it ran on the CPU)"
-    size = sum(t.numel() * t.element_size() for t in leaves
-               if isinstance(t, torch.Tensor) and t.device.type == "kiln")
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "kiln"]
+    size = sum(t.numel() * t.element_size() for t in tensors)
     if size > MAX_BYTES:
         return NOT_REPLAYED, f"kiln inputs of {size >> 20} MiB (over {MAX_BYTES >> 20} MiB)"
+    if not tensors:  # a factory (torch.zeros(n, device="kiln")): bound what it could allocate
+        elements = 1
+        for leaf in leaves:
+            if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf > 0:
+                elements *= leaf
+        if elements * 8 > MAX_BYTES:
+            return NOT_REPLAYED, f"a call that may allocate {elements} elements"
     try:
         cpu_args, cpu_kwargs = tree_map(_to_cpu, (args, kwargs))
     except Exception as error:  # e.g. an input whose producing work failed on kiln
         return NOT_REPLAYED, f"its inputs could not be copied to the CPU ({type(error).__name__})"
     try:
-        with warnings.catch_warnings():  # the program's stderr is its own
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")  # the program's stderr is its own
             func(*cpu_args, **cpu_kwargs)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""

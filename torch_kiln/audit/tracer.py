@@ -259,7 +259,7 @@ class RunTracer:
         from torch_kiln.audit.replay import replay_on_cpu
 
         before = sum(self._sync_ops().values())
-        outcome, cpu_error = replay_on_cpu(func, args, kwargs or {})
+        outcome, cpu_error = replay_on_cpu(func, args, kwargs or {}, error)
         self._replay_syncs += sum(self._sync_ops().values()) - before
         self._site("op-failure", file, line, name, op=name,
                    error=f"{type(error).__name__}: {first}"[:300], cpu_replay=outcome,
