@@ -364,3 +364,12 @@ def test_a_file_not_in_plain_utf8_is_not_patched(tmp_path):
     assert result.files == [] and result.skipped == [
         (str(script), "encoded as iso-8859-1, not plain UTF-8: not patched")]
     assert "# not patched: latin.py: encoded as iso-8859-1" in result.diff
+
+
+def test_an_output_path_in_a_missing_directory_is_a_usage_error_before_the_run(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    for option in ("--fix", "--json", "--html", "--output"):
+        result = run_audit(option, str(tmp_path / "nope" / "out.txt"), str(script))
+        assert result.returncode == 2 and result.stdout == ""  # not run
+        assert f"{option} " in result.stderr and "does not exist" in result.stderr

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     exit status: the script's own, 124 after ``--timeout``, 1 for a script
     with a syntax error (not run), 0 with ``--no-run``, 2 if the audit could
     not start (bad option, missing script, a ``--fix`` path that is a Python
-    file). ``--fix`` writes its diff after the report (so with ``--fix -``
+    file, an output path in a directory that does not exist). ``--fix`` writes its diff after the report (so with ``--fix -``
     and a run, it follows the script's own output on stdout)."""
     parser = build_parser()
     opts = parser.parse_args(argv)
@@ -115,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         problem = _bad_fix_path(opts.fix, opts.script)
         if problem:
             parser.error(problem)
+    for option, path in (("--fix", opts.fix), ("--json", opts.json), ("--html", opts.html),
+                         ("--output", opts.output)):
+        # Checked before the run, so that a long run is not lost to a typo.
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{option} {path!r}: directory {os.path.dirname(os.path.abspath(path))!r} "
+                         "does not exist")
     try:
         report = audit_script(opts.script, opts.args, map_cuda=opts.map_cuda,
                               timeout=opts.timeout, run=not opts.no_run, root=opts.root)
