@@ -373,3 +373,13 @@ def test_an_output_path_in_a_missing_directory_is_a_usage_error_before_the_run(t
         result = run_audit(option, str(tmp_path / "nope" / "out.txt"), str(script))
         assert result.returncode == 2 and result.stdout == ""  # not run
         assert f"{option} " in result.stderr and "does not exist" in result.stderr
+
+
+def test_form_feeds_and_final_lines_survive_patch(tmp_path):
+    text = "import torch\n\x0c\nx = torch.ones(1).cuda()  # \x0c page\ny = 'cuda'"
+    (tmp_path / "ff.py").write_text(text)
+    result = make_fix([str(tmp_path / "ff.py")], str(tmp_path))
+    (tmp_path / "fix.diff").write_text(result.diff)
+    subprocess.run(["patch", "-p1", "-s", "-i", "fix.diff"], cwd=tmp_path, check=True, timeout=30)
+    assert (tmp_path / "ff.py").read_text() == fix_source(text, "ff.py")[0]
+    assert (tmp_path / "ff.py").read_text().endswith("# \x0c page\ny = device.type")

@@ -76,6 +76,7 @@ _DEVICE_NAMES = ("device", "accelerator", "accelerator_device", "kiln_audit_devi
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 _FSTRING_START = re.compile(r"([rRbBuU]?[fF][rR]?|[rR]?[fF])(\"\"\"|'''|\"|')cuda:")
 _NEWLINE = re.compile(r"\r\n|\r|\n")
+_PATCH_LINE = re.compile(r"[^\n]*\n|[^\n]+$")
 # Why a category is never rewritten (the diff's header says it per item).
 _NOT_REWRITTEN = {
     "cuda-branch": "a decision: after the patch this branch still tests for CUDA, so on kiln "
@@ -222,7 +223,7 @@ class _Fixer:
             if isinstance(stmt, ast.Import):
                 for a in stmt.names:
                     if a.asname is None and a.name.split(".")[0] == "torch":
-                        alias = alias if alias == "torch" else "torch"
+                        alias = "torch"  # `import torch` / `import torch.nn` bind `torch`
                     elif a.asname and a.name == "torch" and alias is None:
                         alias = a.asname
             last, index = stmt, index + 1
@@ -484,8 +485,10 @@ def _diff(old: str, new: str, name: str) -> list[str]:
     marker = "\x00"
 
     def lines(text: str) -> list[str]:
-        result = text.splitlines(keepends=True)
-        if result and not result[-1].endswith(("\n", "\r")):
+        # Lines as patch reads them: ended by "\n" only (str.splitlines would
+        # also split at form feeds and other separators Python allows).
+        result = _PATCH_LINE.findall(text)
+        if result and not result[-1].endswith("\n"):
             result[-1] += marker + "\n"
         return result
 
@@ -493,7 +496,7 @@ def _diff(old: str, new: str, name: str) -> list[str]:
     for line in difflib.unified_diff(lines(old), lines(new), f"a/{name}", f"b/{name}"):
         if line.endswith(marker + "\n"):
             line = line[:-2] + "\n\\ No newline at end of file\n"
-        out.append(line if line.endswith(("\n", "\r")) else line + "\n")
+        out.append(line if line.endswith("\n") else line + "\n")
     return out
 
 
