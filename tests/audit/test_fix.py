@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from audit_helpers import FIXTURES, fixture, run_audit, run_audit_json
 
@@ -147,6 +148,7 @@ def test_every_device_string_form():
         f = b.cuda(non_blocking=True)
         g = b.cuda(0)
         h = b.cuda(device=0)
+        i = torch.zeros(1, device="cuda:1").cuda(1)
         ''')
     assert new == textwrap.dedent('''\
         """Doc."""
@@ -160,11 +162,13 @@ def test_every_device_string_form():
         f = b.to(device, non_blocking=True)
         g = b.to(torch.device(device.type, 0))
         h = b.to(device=torch.device(device.type, 0))
+        i = torch.zeros(1, device=f"{device.type}:1").to(torch.device(device.type, 1))
         ''')
     assert unfixed == []
     scope = {}
     exec(new, scope)  # runs on kiln, the accelerator here
     assert {scope[n].device.type for n in "bcdefgh"} == {"kiln"} and scope["a"].type == "kiln"
+    assert scope["i"].device == torch.device("kiln", 1)  # kiln:1, as cuda:1 would be
 
 
 def test_torch_cuda_calls_amp_and_nccl_through_aliases():

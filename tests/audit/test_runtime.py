@@ -186,6 +186,11 @@ def test_replay_outcomes_in_process():
     outcome, error = replay_on_cpu(torch.add, (x, torch.ones(3, device="kiln")), {})
     assert outcome == FAILS_ON_CPU and error.startswith("RuntimeError: The size of tensor a")
     assert replay_on_cpu(torch.add, (torch.ones(2), torch.ones(3)), {})[0] == NOT_REPLAYED
+    x1 = torch.ones(2, device="kiln:1")  # kiln:1 tensors and devices map to the CPU too
+    assert replay_on_cpu(torch.quantize_per_tensor, (x1, 0.1, 0, torch.qint8), {}) == (
+        UNSUPPORTED, "")
+    assert replay_on_cpu(torch.add, (x1, torch.ones(3, device=torch.device("kiln", 1))),
+                         {})[0] == FAILS_ON_CPU
     # In-place ops replay on copies; autograd's own errors replay too.
     leaf = torch.ones(2, device="kiln", requires_grad=True)
     outcome, error = replay_on_cpu(torch.Tensor.add_, (leaf, 1), {})

@@ -149,17 +149,14 @@ class _Source:
 
     def span(self, node: ast.AST) -> tuple[int, int]:
         """``node``'s (start, end) offsets, checked against its own source
-        (a dotted name's text, a string's value): ``ast`` positions inside
+        (the text there must parse to the same tree): ``ast`` positions inside
         f-strings are unreliable before Python 3.12, and an edit at a wrong
         position could still parse. Raises _Unfixable on a mismatch."""
         text = self.segment(node)
-        if isinstance(node, ast.Constant):
-            try:
-                ok = ast.literal_eval(text) == node.value
-            except (ValueError, SyntaxError):
-                ok = False
-        else:
-            ok = "".join(text.split()) == "".join(ast.unparse(node).split())
+        try:  # the text at the position must parse to the same tree
+            ok = ast.dump(ast.parse(f"({text}\n)", mode="eval").body) == ast.dump(node)
+        except SyntaxError:
+            ok = False
         if not ok:
             raise _Unfixable("its source position is not exact (inside an f-string?)")
         return self.start(node), self.end(node)
