@@ -49,6 +49,11 @@ def patched_copy(tmp_path, name, apply_with="patch"):
     return str(tmp_path / name), diff_path.read_text()
 
 
+def not_rewritten_at(diff, k):
+    """Index in the diff's lines of the k-th item listed as not rewritten."""
+    return [i for i, line in enumerate(diff.splitlines()) if line.startswith("#   ")][k]
+
+
 def losses(output):
     return [float(line.split()[-1]) for line in output.splitlines() if " loss " in line]
 
@@ -68,9 +73,12 @@ def test_training_loop_patch_runs_on_kiln_and_cpu_with_the_original_losses(tmp_p
     assert not_rewritten[0].startswith('#   cuda_train.py:25: cuda-branch [needs a decision]: '
                                        'use_cuda = "cuda" in args.device')
     assert python(script) == reference
-    # ... and once that decision is made, the patched loop runs on kiln,
-    # with the same losses, bit for bit (the audit, without --map-cuda, shows
-    # the kiln syncs of loss.item() at line 45 + 1: the diff added a line).
+    # ... and once that decision is made as the header suggests, the patched
+    # loop runs on kiln, with the same losses, bit for bit (the audit, without
+    # --map-cuda, shows the kiln syncs of loss.item() at line 45 + 1: the diff
+    # added a line).
+    suggestion = 'for "any accelerator", write `args.device != "cpu"`'
+    assert suggestion in diff.splitlines()[not_rewritten_at(diff, 0) + 1]
     text = open(script).read().replace('use_cuda = "cuda" in args.device',
                                        'use_cuda = args.device != "cpu"')
     open(script, "w").write(text)
@@ -248,6 +256,7 @@ def test_decisions_are_listed_not_rewritten():
         ''')
     assert [(line, category) for line, category, _ in unfixed] == [
         (2, "cuda-setting"), (3, "cuda-branch"), (4, "nvtx")]
+    assert unfixed[1][2].endswith('for "any accelerator", write `x.device.type != "cpu"`')
 
 
 def test_syntax_error_script_is_reported_and_not_patched(tmp_path):

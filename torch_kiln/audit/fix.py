@@ -253,10 +253,36 @@ class _Fixer:
                    "torch-cuda": self.torch_cuda, "cuda-amp": self.cuda_amp,
                    "nccl": self.nccl}.get(finding.category)
         if handler is None:
-            raise _Unfixable(_NOT_REWRITTEN.get(finding.category, finding.effort))
+            reason = _NOT_REWRITTEN.get(finding.category, finding.effort)
+            if finding.category == "cuda-branch":
+                test = self.accelerator_test(node)
+                if test:
+                    reason += f"; for \"any accelerator\", write `{test}`"
+            raise _Unfixable(reason)
         if finding.detail.get("from") == "tokens":
             raise _Unfixable("read from tokens")
         return handler(node)
+
+    def accelerator_test(self, node: ast.AST) -> str | None:
+        """For a branch on CUDA, the same test for "an accelerator" (the
+        device is not the CPU), when its shape is a simple one: ``"cuda" in
+        x``, ``x == "cuda"``, ``x != "cuda"``, ``x.startswith("cuda")``,
+        ``x.is_cuda``; else None. A suggestion for the header, not an edit."""
+        parent = self.scanner.parent(node)
+        text = self.source.segment
+        if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            return f'{text(node.value)}.device.type != "cpu"'
+        if isinstance(parent, ast.Compare) and len(parent.ops) == 1:
+            left, op, right = parent.left, parent.ops[0], parent.comparators[0]
+            other = right if left is node else left
+            if isinstance(op, ast.In) and left is node or isinstance(op, ast.Eq):
+                return f'{text(other)} != "cpu"'
+            if isinstance(op, ast.NotEq):
+                return f'{text(other)} == "cpu"'
+        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute)
+                and parent.func.attr == "startswith" and parent.args == [node]):
+            return f'{text(parent.func.value)} != "cpu"'
+        return None
 
     def dot_cuda(self, call: ast.Call) -> list[_Edit]:
         func = call.func
