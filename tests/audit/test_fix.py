@@ -396,3 +396,22 @@ def test_form_feeds_and_final_lines_survive_patch(tmp_path):
     subprocess.run(["patch", "-p1", "-s", "-i", "fix.diff"], cwd=tmp_path, check=True, timeout=30)
     assert (tmp_path / "ff.py").read_text() == fix_source(text, "ff.py")[0]
     assert (tmp_path / "ff.py").read_text().endswith("# \x0c page\ny = device.type")
+
+
+def test_rewritten_calls_that_need_an_accelerator_are_named_and_behave_like_cudas(tmp_path):
+    script = tmp_path / "sync.py"
+    script.write_text("import torch\nprint(torch.cuda.is_available())\ntorch.cuda.synchronize()\n"
+                      "print('synced')\n")
+    result = make_fix([str(script)], str(tmp_path))
+    assert result.diff.splitlines()[2:4] == [
+        "# rewritten, but raise without an accelerator, as the torch.cuda calls do without CUDA "
+        "(guard them with torch.accelerator.is_available() to run on a CPU-only PyTorch too):",
+        "#   sync.py:3 torch.accelerator.synchronize"]
+    (tmp_path / "fix.diff").write_text(result.diff)
+    subprocess.run(["patch", "-p1", "-s", "-i", "fix.diff"], cwd=tmp_path, check=True, timeout=30)
+    assert python(str(script)) == "True\nsynced\n"  # kiln
+    cpu = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, **CPU_ONLY))
+    # As torch.cuda.synchronize() fails without CUDA, with a clear error.
+    assert cpu.returncode == 1 and cpu.stdout == "False\n"
+    assert "Cannot access accelerator device when none is available" in cpu.stderr

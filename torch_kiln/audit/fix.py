@@ -571,9 +571,29 @@ def make_fix(files: list[str], root: str, findings: list[Finding] | None = None)
         if finding.source == "static" and (finding.file, finding.line,
                                            finding.category) not in covered:
             unfixed.append((finding, "not rewritten by --fix"))
-    header = _header(root, fixed, unfixed, skipped, changed)
+    header = _header(root, fixed, unfixed, skipped, changed) + _needs_accelerator(root, fixed)
     return FixResult(diff="".join(header) + "".join(body), fixed=fixed, unfixed=unfixed,
                      skipped=skipped, files=changed)
+
+
+# torch.accelerator functions that answer without an accelerator; the other
+# renames raise on a CPU-only PyTorch, as their torch.cuda originals do there.
+_NO_ACCELERATOR_NEEDED = {"accelerator.is_available", "accelerator.device_count", "manual_seed"}
+
+
+def _needs_accelerator(root: str, fixed: list[Finding]) -> list[str]:
+    """Header lines naming the rewritten calls that raise when there is no
+    accelerator (torch.accelerator.synchronize(), ...)."""
+    sites = []
+    for finding in fixed:
+        target = catalog.TORCH_CUDA_RENAMES.get(finding.message.removeprefix("torch.cuda."))
+        if finding.category == "torch-cuda" and target and target not in _NO_ACCELERATOR_NEEDED:
+            sites.append(f"{_display(finding.file, root)}:{finding.line} torch.{target}")
+    if not sites:
+        return []
+    return ["# rewritten, but raise without an accelerator, as the torch.cuda calls do without "
+            "CUDA (guard them with torch.accelerator.is_available() to run on a CPU-only "
+            "PyTorch too):\n"] + [f"#   {site}\n" for site in sites]
 
 
 def _display(path: str | None, root: str) -> str:
