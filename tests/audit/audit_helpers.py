@@ -21,7 +21,8 @@ _spec = importlib.util.spec_from_file_location("_kiln_audit_devpath",
                                                os.path.join(DEVPATH, "sitecustomize.py"))
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
-RUNTIME_CATEGORIES = {"sync", "op-failure", "graph-break", "recompilation", "run-failure"}
+RUNTIME_CATEGORIES = {"sync", "op-failure", "dtype-change", "graph-break", "recompilation",
+                      "run-failure"}
 _MARKER = re.compile(r"(?:#|//)\s*audit:\s*([a-z0-9, -]+)$")
 
 

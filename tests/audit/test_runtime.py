@@ -51,7 +51,8 @@ def test_amp_and_grad_scaler_program_runs_with_map_cuda(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # autocast and the GradScaler are on, on kiln (without the mapping both
     # would be disabled with a warning: "silently different").
-    assert result.stdout == "device kiln logits torch.float16 scaler enabled True\n"
+    assert result.stdout.endswith("logits torch.float16 scaler enabled True\n")
+    assert result.stdout.count(" loss ") == 4
     assert planted(script) <= found(report["findings"])
 
 
@@ -129,3 +130,91 @@ def test_an_operator_that_fails_on_kiln_is_reported_at_its_line(tmp_path):
     assert failure["detail"]["error"].startswith("NotImplementedError: Kiln does not support "
                                                  "quantized tensors")
     assert "1 finding: 1 needs a decision" in result.stderr
+
+
+def test_failed_ops_are_replayed_on_cpu_and_dtype_changes_reported(tmp_path):
+    script = tmp_path / "changes.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import torch\n"
+        "x = torch.ones(2, device='cuda')\n"
+        "a = torch.from_numpy(np.arange(3.0)).cuda()\n"  # float64 enters the device
+        "b = a * 2\n"                                     # already float64 there: not again
+        "with torch.autocast('cuda', dtype=torch.float64):\n"
+        "    y = x @ x\n"
+        "try:\n"
+        "    torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)\n"
+        "except NotImplementedError:\n"
+        "    pass\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        x + torch.ones(3, device='cuda')\n"
+        "    except RuntimeError:\n"
+        "        pass\n"
+        "print(b.dtype, y.dtype)\n")
+    result, report = run_audit_json(tmp_path, "--map-cuda", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "torch.float64 torch.float32\n"
+    runtime = {(f["line"], f["category"]): f for f in report["findings"]
+               if f["source"] == "runtime" and f["category"] != "sync"}
+    assert set(runtime) == {(4, "dtype-change"), (6, "dtype-change"), (9, "op-failure"),
+                            (14, "op-failure")}
+    wide, autocast = runtime[(4, "dtype-change")], runtime[(6, "dtype-change")]
+    assert (wide["detail"]["dtype"], wide["on_kiln"]) == ("float64", "works")
+    assert "float64 crept in" in wide["message"]
+    assert autocast["on_kiln"] == "silently different"
+    assert autocast["message"].startswith("autocast(dtype=float64) was disabled on kiln: "
+                                          "kiln's autocast supports float16, bfloat16, float32")
+    quantize, add = runtime[(9, "op-failure")], runtime[(14, "op-failure")]
+    assert quantize["detail"]["cpu_replay"] == "unsupported on kiln"
+    assert "unsupported on kiln: the same call runs on the CPU" in quantize["message"]
+    assert quantize["replacement"].startswith("a kiln gap")
+    assert (add["detail"]["cpu_replay"], add["count"]) == ("fails on CPU too", 3)
+    assert add["detail"]["cpu_error"].startswith("RuntimeError: The size of tensor a (2) must "
+                                                 "match the size of tensor b (3)")
+    assert add["replacement"].startswith("the program's own error")
+    # The replay's copies to the CPU are not counted as the program's syncs.
+    assert report["run"]["unattributed_syncs"] == 0
+
+
+def test_replay_outcomes_in_process():
+    from torch_kiln.audit.replay import FAILS_ON_CPU, NOT_REPLAYED, UNSUPPORTED, replay_on_cpu
+
+    x = torch.ones(2, device="kiln")
+    assert replay_on_cpu(torch.quantize_per_tensor, (x, 0.1, 0, torch.qint8), {}) == (
+        UNSUPPORTED, "")
+    outcome, error = replay_on_cpu(torch.add, (x, torch.ones(3, device="kiln")), {})
+    assert outcome == FAILS_ON_CPU and error.startswith("RuntimeError: The size of tensor a")
+    assert replay_on_cpu(torch.add, (torch.ones(2), torch.ones(3)), {})[0] == NOT_REPLAYED
+    x1 = torch.ones(2, device="kiln:1")  # kiln:1 tensors and devices map to the CPU too
+    assert replay_on_cpu(torch.quantize_per_tensor, (x1, 0.1, 0, torch.qint8), {}) == (
+        UNSUPPORTED, "")
+    assert replay_on_cpu(torch.add, (x1, torch.ones(3, device=torch.device("kiln", 1))),
+                         {})[0] == FAILS_ON_CPU
+    # In-place ops replay on copies; autograd's own errors replay too.
+    leaf = torch.ones(2, device="kiln", requires_grad=True)
+    outcome, error = replay_on_cpu(torch.Tensor.add_, (leaf, 1), {})
+    assert outcome == FAILS_ON_CPU and "leaf Variable that requires grad" in error
+    assert torch.equal(leaf.detach().cpu(), torch.ones(2))
+    # A replay draws nothing from the program's CPU random stream.
+    torch.manual_seed(0)
+    expected = torch.randn(3)
+    torch.manual_seed(0)
+    def draws(x):  # a call that runs on the CPU and draws from its generator
+        return x + torch.randn(5).sum()
+
+    assert replay_on_cpu(draws, (torch.ones(1, device="kiln"),), {}) == (UNSUPPORTED, "")
+    assert torch.equal(torch.randn(3), expected)
+    # Nothing big is allocated again on the CPU.
+    outcome, why = replay_on_cpu(torch.zeros, (1 << 20, 1 << 20), {"device": "kiln"})
+    assert (outcome, why) == (NOT_REPLAYED, f"a call that may allocate {1 << 40} elements")
+    oom = torch.OutOfMemoryError("kiln: out of memory")
+    assert replay_on_cpu(torch.ones, (4,), {"device": "kiln"}, oom)[0] == NOT_REPLAYED
+
+
+def test_tracer_restores_autocast_after_an_in_process_audit():
+    before = torch.amp.autocast.__init__
+    report = kiln_audit.audit(lambda: torch.ones(1, device="kiln").double())
+    assert torch.amp.autocast.__init__ is before
+    # (The lambda's file, this test file, is read too: only the run's findings here.)
+    assert [f.category for f in report.findings if f.source == "runtime"] == ["dtype-change"]

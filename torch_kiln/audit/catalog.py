@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Category", "CATEGORIES", "TORCH_CUDA_API", "CUDA_ONLY_PACKAGES", "CUDA_SETTINGS",
-           "category"]
+__all__ = ["Category", "CATEGORIES", "TORCH_CUDA_API", "TORCH_CUDA_RENAMES", "CUDA_ONLY_PACKAGES",
+           "CUDA_SETTINGS", "category"]
 
 DEVICE = "device = torch.accelerator.current_accelerator()"
 
@@ -68,6 +68,8 @@ _CATEGORY_LIST = [
     Category("op-failure", "operator failed on kiln", "high", "fails", "needs a decision",
              "follow the error's advice; an operator CUDA runs and kiln does not is a kiln "
              "gap: report it"),
+    Category("dtype-change", "dtype change", "medium", "works", "needs a decision",
+             "ask for the dtype the program means where the data enters"),
     Category("graph-break", "torch.compile graph break", "medium", "slower", "needs a decision",
              "move the breaking line out of the compiled region, or make it traceable"),
     Category("recompilation", "torch.compile recompilation", "low", "slower", "needs a decision",
@@ -154,6 +156,33 @@ TORCH_CUDA_API: dict[str, Api] = {
     "graph_pool_handle": Api("cuda-graphs", "torch.accelerator.Graph's pool"),
     # NVTX.
     "nvtx": Api("nvtx", 'torch.profiler.record_function("name")'),
+}
+
+# The torch.cuda functions ``--fix`` renames (torch_kiln/audit/fix.py): the
+# part after "torch.cuda." -> the part after "torch." of a function that takes
+# the same positional arguments on every device (the torch.accelerator ones
+# are positional-only, so a call with keyword arguments is listed, not
+# rewritten). Only these are rewritten; the other
+# TORCH_CUDA_API entries are listed in the diff's header. manual_seed[_all]
+# become torch.manual_seed, which also reseeds the CPU generator.
+TORCH_CUDA_RENAMES: dict[str, str] = {
+    "is_available": "accelerator.is_available",
+    "device_count": "accelerator.device_count",
+    "current_device": "accelerator.current_device_index",
+    "set_device": "accelerator.set_device_index",
+    "synchronize": "accelerator.synchronize",
+    "current_stream": "accelerator.current_stream",
+    "set_stream": "accelerator.set_stream",
+    "manual_seed": "manual_seed",
+    "manual_seed_all": "manual_seed",
+    "empty_cache": "accelerator.empty_cache",
+    "memory_allocated": "accelerator.memory_allocated",
+    "max_memory_allocated": "accelerator.max_memory_allocated",
+    "memory_reserved": "accelerator.memory_reserved",
+    "max_memory_reserved": "accelerator.max_memory_reserved",
+    "memory_stats": "accelerator.memory_stats",
+    "reset_peak_memory_stats": "accelerator.reset_peak_memory_stats",
+    "mem_get_info": "accelerator.get_memory_info",
 }
 
 # Third-party packages that need CUDA, and the built-in to use instead.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from torch_kiln.audit.api import AuditError, audit_script
@@ -45,24 +46,81 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write a one-page HTML report to PATH")
     parser.add_argument("--output", metavar="PATH",
                         help="write the text report to PATH instead of stderr")
+    parser.add_argument("--fix", nargs="?", const="-", metavar="PATH",
+                        help="also write a unified diff (to PATH, or stdout with - or no PATH) "
+                             "that rewrites the mechanical findings the portable way; files are "
+                             "never edited (apply it with patch -p1 or git apply in --root). "
+                             "Findings that need a decision are listed in its header")
     parser.add_argument("--no-run", action="store_true",
                         help="static findings only: read the source, do not run it")
     parser.add_argument("--root", metavar="DIR",
                         help="the user's source tree: imported modules under DIR are read, and "
                              "run-time findings are reported at lines under DIR "
                              "(default: the script's directory)")
-    parser.add_argument("script", help="the Python script to audit")
+    parser.add_argument("script", nargs="?", help="the Python script to audit")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
+
+
+def _bad_fix_path(path: str, script: str) -> str:
+    """Why ``--fix PATH`` must not be written (the diff never overwrites a
+    program's source), or ``""``."""
+    if path.endswith(".py") or (os.path.exists(script) and os.path.exists(path)
+                                and os.path.samefile(path, script)):
+        return (f"--fix {path!r}: the diff would overwrite a Python file; --fix writes a "
+                "unified diff, never the source: give a path such as fix.diff, or - for stdout")
+    if os.path.isdir(path):
+        return f"--fix {path!r} is a directory; give the path of the diff file to write"
+    return ""
+
+
+def _write_fix(report, path: str, root: str | None) -> None:
+    """Writes the --fix diff of ``report``'s files (torch_kiln/audit/fix.py)
+    and says on stderr what it holds."""
+    from torch_kiln.audit.fix import make_fix
+
+    root = os.path.realpath(root or os.path.dirname(report.target))
+    result = make_fix(report.files_scanned, root, report.findings)
+    if path == "-":
+        sys.stdout.flush()
+        sys.stdout.write(result.diff)
+        sys.stdout.flush()
+        where = "the diff to stdout"
+    else:
+        with open(path, "w", encoding="utf-8", newline="") as handle:
+            handle.write(result.diff)
+        where = f"the diff to {path}"
+    sys.stderr.write(f"kiln-audit --fix: wrote {where}: {len(result.fixed)} finding(s) "
+                     f"rewritten in {len(result.files)} file(s), {len(result.unfixed)} listed "
+                     f"as not rewritten, {len(result.skipped)} file(s) not patched; nothing "
+                     "was edited\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command with ``argv`` (default ``sys.argv[1:]``); returns the
     exit status: the script's own, 124 after ``--timeout``, 1 for a script
     with a syntax error (not run), 0 with ``--no-run``, 2 if the audit could
-    not start (bad option, missing script)."""
+    not start (bad option, missing script, a ``--fix`` path that is a Python
+    file, an output path in a directory that does not exist). ``--fix`` writes its diff after the report (so with ``--fix -``
+    and a run, it follows the script's own output on stdout)."""
     parser = build_parser()
     opts = parser.parse_args(argv)
+    if opts.script is None:
+        if opts.fix and opts.fix.endswith(".py"):
+            parser.error(f"--fix takes the path of the diff to write (or -), and got the "
+                         f"script {opts.fix!r}: write --fix - {opts.fix} (stdout) or "
+                         f"--fix fix.diff {opts.fix}")
+        parser.error("the following arguments are required: script")
+    if opts.fix and opts.fix != "-":
+        problem = _bad_fix_path(opts.fix, opts.script)
+        if problem:
+            parser.error(problem)
+    for option, path in (("--fix", opts.fix), ("--json", opts.json), ("--html", opts.html),
+                         ("--output", opts.output)):
+        # Checked before the run, so that a long run is not lost to a typo.
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{option} {path!r}: directory {os.path.dirname(os.path.abspath(path))!r} "
+                         "does not exist")
     try:
         report = audit_script(opts.script, opts.args, map_cuda=opts.map_cuda,
                               timeout=opts.timeout, run=not opts.no_run, root=opts.root)
@@ -76,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sys.stdout.flush()
         sys.stderr.write("\n" + text)
+    if opts.fix:
+        _write_fix(report, opts.fix, opts.root)
     if opts.json:
         write_json(report, opts.json)
     if opts.html:

@@ -92,6 +92,8 @@ class _Scanner(ast.NodeVisitor):
         self.lines = lines
         self.imports = imports
         self.found: list[Finding] = []
+        # (finding, the node it was found at), for --fix (torch_kiln/audit/fix.py).
+        self.sites: list[tuple[Finding, ast.AST]] = []
         self.parents: dict[int, ast.AST] = {}
         self.covered: set[int] = set()  # nodes inside an already-reported extension build
 
@@ -101,8 +103,10 @@ class _Scanner(ast.NodeVisitor):
         return self.lines[line - 1].strip() if line and line <= len(self.lines) else ""
 
     def add(self, category: str, node: ast.AST, message: str, **kwargs) -> None:
-        self.found.append(_finding(category, self.file, getattr(node, "lineno", None), message,
-                                   self.code(node), **kwargs))
+        finding = _finding(category, self.file, getattr(node, "lineno", None), message,
+                           self.code(node), **kwargs)
+        self.found.append(finding)
+        self.sites.append((finding, node))
 
     def qualified(self, node: ast.AST) -> str | None:
         """The dotted name an expression stands for, through the imports."""
@@ -314,16 +318,22 @@ def scan_source(text: str, file: str) -> tuple[list[Finding], ast.Module | None]
     return _merge(found), tree
 
 
-def scan_file(path: str) -> tuple[list[Finding], ast.Module | None]:
-    """:func:`scan_source` on the file at ``path`` (read as UTF-8, the
-    encoding Python assumes; undecodable bytes are replaced)."""
+def read_source(path: str, errors: str = "replace") -> tuple[str, str]:
+    """``(text, encoding)`` of the Python file at ``path``, decoded as Python
+    would (its coding cookie, else UTF-8); ``errors`` as for ``bytes.decode``."""
     with open(path, "rb") as handle:
         data = handle.read()
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     except SyntaxError:
         encoding = "utf-8"
-    return scan_source(data.decode(encoding, errors="replace"), path)
+    return data.decode(encoding, errors=errors), encoding
+
+
+def scan_file(path: str) -> tuple[list[Finding], ast.Module | None]:
+    """:func:`scan_source` on the file at ``path`` (decoded as Python would;
+    undecodable bytes are replaced)."""
+    return scan_source(read_source(path)[0], path)
 
 
 def _merge(found: list[Finding]) -> list[Finding]:

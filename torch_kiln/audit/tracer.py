@@ -12,7 +12,14 @@ and:
   is recorded with the sync op's ATen name and the user's line;
 - **failures**: an operator that raised ``RuntimeError`` (which includes
   ``NotImplementedError``) is recorded with its error, then re-raised
-  unchanged;
+  unchanged; the first time a site fails, the call is replayed on CPU
+  copies of its inputs (:mod:`torch_kiln.audit.replay`) to tell
+  "unsupported on kiln" from "fails on CPU too";
+- **dtype changes**: a call that puts a float64 (or complex128) tensor on
+  kiln from inputs that had none there ("float64 crept in": a NumPy array, a
+  Python float list, ``.double()``), and an ``autocast`` region that PyTorch
+  disabled because kiln's autocast does not support the dtype asked for
+  (kiln's are float16, bfloat16 and float32);
 - with ``map_cuda=True``, rewrites CUDA devices to kiln
   (Note [Mapping CUDA to kiln] in :mod:`torch_kiln.audit.mapping`).
 
@@ -38,6 +45,7 @@ production runs.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -46,6 +54,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from torch_kiln.audit import catalog
 from torch_kiln.audit.findings import Finding
@@ -80,6 +89,24 @@ def _op_name(func: Callable) -> str:
     return name
 
 
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _new_wide_dtype(result: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The float64/complex128 dtype of a kiln tensor ``result`` when no kiln
+    tensor input had one (so the call brought it onto the device), else None."""
+    outputs = result if isinstance(result, (tuple, list)) else (result,)
+    wide = [t.dtype for t in outputs if isinstance(t, torch.Tensor) and t.dtype in _WIDE
+            and t.device.type == "kiln"]
+    if not wide:
+        return None
+    leaves, _ = tree_flatten((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and t.dtype in _WIDE and t.device.type == "kiln"
+           for t in leaves):
+        return None
+    return wide[0]
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: "RunTracer") -> None:
         super().__init__()
@@ -99,11 +126,14 @@ class _Mode(TorchFunctionMode):
         try:
             result = func(*args, **kwargs)
         except RuntimeError as error:
-            tracer._record_failure(func, error)
+            tracer._record_failure(func, error, args, kwargs)
             raise
         after = tracer._sync_ops()
         if after != before:
             tracer._record_sync(func, before, after)
+        wide = _new_wide_dtype(result, args, kwargs)
+        if wide is not None:
+            tracer._record_wide(func, wide)
         return result
 
 
@@ -129,6 +159,8 @@ class RunTracer:
         self._mapping = None
         self._map_call = None
         self._kiln_syncs_at_start = 0
+        self._replay_syncs = 0  # kiln syncs of the CPU replays' copies
+        self._autocast_init = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "RunTracer":
@@ -142,15 +174,35 @@ class RunTracer:
             self._map_call = map_call
         self._kiln_syncs_at_start = sum(n for op, n in _sync_ops().items()
                                         if not op.endswith(_KILN_INTERNAL_SYNC))
+        self._watch_autocast()
         self._mode = _Mode(self)
         self._mode.__enter__()
         return self
+
+    def _watch_autocast(self) -> None:
+        """Wraps ``torch.amp.autocast.__init__`` (after ``--map-cuda``'s own
+        wrapper) to record regions PyTorch disables for an unsupported dtype."""
+        init = torch.amp.autocast.__init__
+        tracer = self
+
+        @functools.wraps(init)
+        def autocast_init(self_, *args, **kwargs):
+            init(self_, *args, **kwargs)
+            enabled = kwargs.get("enabled", args[2] if len(args) > 2 else True)
+            if enabled and not self_._enabled and getattr(self_, "device", None) == "kiln":
+                tracer._record_autocast(self_.fast_dtype)
+
+        self._autocast_init = init
+        torch.amp.autocast.__init__ = autocast_init
 
     def __exit__(self, *exc_info) -> None:
         try:
             if self._mode is not None:
                 self._mode.__exit__(*exc_info)
                 self._mode = None
+            if self._autocast_init is not None:
+                torch.amp.autocast.__init__ = self._autocast_init
+                self._autocast_init = None
         finally:
             if self._mapping is not None:
                 self._mapping.__exit__(*exc_info)
@@ -196,11 +248,48 @@ class RunTracer:
             return  # kiln's own one-time check, not the program's doing
         self._site("sync", file, line, _op_name(func), op=_op_name(func), aten=aten)
 
-    def _record_failure(self, func: Callable, error: BaseException) -> None:
+    def _record_failure(self, func: Callable, error: BaseException, args: tuple = (),
+                        kwargs: dict | None = None) -> None:
         file, line = self.user_site(sys._getframe(2))
+        name = _op_name(func)
+        if ("op-failure", file, line, name) in self._sites:
+            self._site("op-failure", file, line, name)  # counted; replayed the first time
+            return
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        self._site("op-failure", file, line, _op_name(func), op=_op_name(func),
-                   error=f"{type(error).__name__}: {first}"[:300])
+        from torch_kiln.audit.replay import replay_on_cpu
+
+        before = sum(self._sync_ops().values())
+        outcome, cpu_error = replay_on_cpu(func, args, kwargs or {}, error)
+        self._replay_syncs += sum(self._sync_ops().values()) - before
+        self._site("op-failure", file, line, name, op=name,
+                   error=f"{type(error).__name__}: {first}"[:300], cpu_replay=outcome,
+                   cpu_error=cpu_error)
+
+    def _record_wide(self, func: Callable, dtype: torch.dtype) -> None:
+        file, line = self.user_site(sys._getframe(2))
+        name = _op_name(func)
+        dtype_name = str(dtype).replace("torch.", "")
+        self._site("dtype-change", file, line, f"{name} {dtype_name}", op=name,
+                   dtype=dtype_name, on_kiln="works",
+                   message=f"{name} put a {dtype_name} tensor on the device from inputs that "
+                           f"had no {dtype_name} there ({dtype_name} crept in: a NumPy array, "
+                           "a list of Python floats, .double()?)",
+                   replacement=f"ask for float32 where the data enters (torch.from_numpy(a)"
+                               ".float(), dtype=torch.float32): the same "
+                               f"{dtype_name} runs on CUDA, at a fraction of float32's speed "
+                               f"on most GPUs, and some accelerators have no {dtype_name} (MPS)")
+
+    def _record_autocast(self, dtype: torch.dtype) -> None:
+        file, line = self.user_site(sys._getframe(2))
+        dtype_name = str(dtype).replace("torch.", "")
+        supported = ", ".join(str(d).replace("torch.", "")
+                              for d in torch.kiln.get_amp_supported_dtype())
+        self._site("dtype-change", file, line, f"autocast {dtype_name}", op="torch.autocast",
+                   dtype=dtype_name, on_kiln="silently different",
+                   message=f"autocast(dtype={dtype_name}) was disabled on kiln: kiln's autocast "
+                           f"supports {supported}; the region ran in the inputs' own dtypes",
+                   replacement=f"ask autocast for one of {supported} "
+                               "(torch.autocast(device_type=device.type, dtype=torch.bfloat16))")
 
     def record_event(self, event: dict) -> None:
         """Adds an event produced elsewhere (the run's own failure)."""
@@ -266,7 +355,19 @@ class RunTracer:
         # A traced call counts once even if it synchronized twice: a lower bound.
         traced = sum(s["count"] for s in self._sites.values() if s["kind"] == "sync")
         total = sum(n for op, n in _sync_ops().items() if not op.endswith(_KILN_INTERNAL_SYNC))
-        return max(0, total - self._kiln_syncs_at_start - traced)
+        return max(0, total - self._kiln_syncs_at_start - traced - self._replay_syncs)
+
+
+def _replay_note(event: dict) -> str:
+    """What replaying the failed call on the CPU showed (torch_kiln.audit.replay)."""
+    outcome = event.get("cpu_replay")
+    if outcome == "unsupported on kiln":
+        return "; unsupported on kiln: the same call runs on the CPU"
+    if outcome == "fails on CPU too":
+        return f"; fails on CPU too ({event.get('cpu_error', '')}): not a kiln gap"
+    if outcome:
+        return f"; not replayed on the CPU: {event.get('cpu_error', '')}"
+    return ""
 
 
 def events_to_findings(events: list[dict]) -> list[Finding]:
@@ -277,29 +378,36 @@ def events_to_findings(events: list[dict]) -> list[Finding]:
         kind = event["kind"]
         cat = catalog.category(kind)
         count = int(event.get("count", 1))
-        detail = {k: v for k, v in event.items()
-                  if k not in ("kind", "file", "line", "key", "count", "code")}
+        detail = {k: v for k, v in event.items() if k not in (
+            "kind", "file", "line", "key", "count", "code", "message", "replacement", "on_kiln")}
         if kind == "sync":
             aten = ", ".join(event.get("aten", []))
             message = (f"{event['op']} forced the host to wait for the device"
                        + (f" ({aten})" if aten else ""))
         elif kind == "op-failure":
-            message = f"{event['op']} failed: {event['error']}"
+            message = f"{event['op']} failed: {event['error']}" + _replay_note(event)
         elif kind == "graph-break":
             message = f"graph break: {event['key']}"
         elif kind == "recompilation":
             message = (f"{event['key']}() recompiled ({count} guard failure(s)): "
                        f"{'; '.join(event.get('reasons', [])[:3])}")
-        else:  # run-failure
+        else:  # run-failure, dtype-change
             message = event.get("message", event["key"])
         file, line = event.get("file"), event.get("line")
         code = linecache.getline(file, line).strip() if file and line else ""
-        replacement = cat.replacement
+        replacement = event.get("replacement", cat.replacement)
+        if kind == "op-failure" and event.get("cpu_replay") == "fails on CPU too":
+            replacement = ("the program's own error (the CPU raises it too, and so would "
+                           "CUDA): fix the call")
+        elif kind == "op-failure" and event.get("cpu_replay") == "unsupported on kiln":
+            replacement = ("a kiln gap (the CPU runs this call): report it; until then run "
+                           "this op on the CPU (x.cpu()) and move the result back")
         if kind == "sync" and any(op in _COPY_OPS for op in event.get("aten", [])):
             replacement = ("a blocking copy between host and device: copy once before the loop, "
                            "or from pinned memory (pin_memory()) with non_blocking=True")
         findings.append(Finding(category=kind, file=file, line=line,
-                                message=message, replacement=replacement, severity=cat.severity, on_kiln=cat.on_kiln,
+                                message=message, replacement=replacement, severity=cat.severity,
+                                on_kiln=event.get("on_kiln", cat.on_kiln),
                                 effort=cat.effort, source="runtime", code=code,
                                 count=count, detail=detail))
     return findings
