@@ -103,6 +103,31 @@ def test_mapping_is_scoped_and_restored():
     assert before == after and torch.cuda.is_available() is False
 
 
+def test_mapping_covers_torch_load_map_location_and_generators():
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(3.0)}, buffer)
+    before = (torch.load, torch.Generator)
+    with CudaMapping():
+        for location, expected in (("cuda", "kiln:0"), ("cuda:1", "kiln:1"),
+                                   (torch.device("cuda", 1), "kiln:1"),
+                                   ({"cpu": "cuda:1"}, "kiln:1")):
+            buffer.seek(0)
+            loaded = torch.load(buffer, map_location=location)["w"]
+            assert str(loaded.device) == expected, location
+            assert loaded.cpu().tolist() == [0.0, 1.0, 2.0]
+        generator = torch.Generator(device="cuda")
+        assert generator.device == torch.device("kiln", 0)
+        assert isinstance(generator, torch.Generator)
+        assert torch.Generator().device.type == "cpu"
+        generator.manual_seed(5)
+        drawn = torch.randn(3, device="kiln", generator=generator)
+        assert drawn.cpu().tolist() == torch.randn(
+            3, device="kiln", generator=torch.Generator(device="kiln").manual_seed(5)).cpu().tolist()
+    assert (torch.load, torch.Generator) == before
+
+
 def test_mapping_is_restored_when_the_body_raises():
     try:
         with CudaMapping():

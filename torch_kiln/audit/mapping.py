@@ -16,8 +16,10 @@ The mapping has two parts, both undone when :class:`CudaMapping` exits:
    ``device_count``, ``synchronize``, ``manual_seed``, streams, events, the
    memory queries and the other functions ``torch.kiln`` mirrors;
    ``torch.cuda.amp.autocast``/``GradScaler``; ``torch.autocast`` and
-   ``torch.amp.GradScaler`` given ``"cuda"``; ``nn.Module.cuda``; NVTX
-   ranges become no-ops.
+   ``torch.amp.GradScaler`` given ``"cuda"``; ``nn.Module.cuda``;
+   ``torch.load``'s ``map_location`` (a device, a string or a dict of
+   them) and ``torch.Generator(device=...)``, which do not reach
+   ``__torch_function__``; NVTX ranges become no-ops.
 
 Limits (what the mapping cannot see): a device made with ``torch.device``
 reads ``type == "kiln"`` afterwards, so a program's own ``device.type ==
@@ -102,6 +104,29 @@ def _kiln_grad_scaler(*args, **kwargs):
     return torch.amp.GradScaler("kiln", *args, **kwargs)
 
 
+def _generator_on_kiln() -> type:
+    """torch.Generator under --map-cuda: ``torch.Generator(device="cuda")``
+    makes a kiln generator. A subclass whose constructor returns the real
+    type, with an instance check that accepts every ``torch._C.Generator``,
+    so ``isinstance(g, torch.Generator)`` stays true everywhere."""
+    base = torch._C.Generator
+
+    class _Meta(type(base)):
+        def __instancecheck__(cls, obj) -> bool:
+            return isinstance(obj, base)
+
+        def __subclasscheck__(cls, other) -> bool:
+            return issubclass(other, base)
+
+    class Generator(base, metaclass=_Meta):
+        __doc__ = base.__doc__
+
+        def __new__(cls, device="cpu"):
+            return base(map_device(device))
+
+    return Generator
+
+
 class CudaMapping(contextlib.AbstractContextManager):
     """Patches ``torch.cuda``, ``torch.autocast``, ``torch.amp.GradScaler`` and
     ``nn.Module.cuda`` so that CUDA requests reach kiln; restores every
@@ -163,6 +188,21 @@ class CudaMapping(contextlib.AbstractContextManager):
             return self_.to(map_device(device) if device is not None else "kiln")
 
         self._set(torch.nn.Module, "cuda", module_cuda)
+
+        # Neither goes through __torch_function__, so the tracer cannot map
+        # their arguments: torch.load is plain Python, torch.Generator a C type.
+        load = torch.load
+
+        @functools.wraps(load)
+        def load_on_kiln(f, map_location=None, *args, **kwargs):
+            if isinstance(map_location, dict):  # {saved location: where to load}
+                map_location = {k: map_device(v) for k, v in map_location.items()}
+            elif map_location is not None and not callable(map_location):
+                map_location = map_device(map_location)
+            return load(f, map_location, *args, **kwargs)
+
+        self._set(torch, "load", load_on_kiln)
+        self._set(torch, "Generator", _generator_on_kiln())
         return self
 
     def __exit__(self, *exc_info) -> None:
