@@ -20,6 +20,7 @@ pass, and raises otherwise):
             forward and backward against one process.
   failed-read  a collective that fails (sizes differ across ranks): reading
             its output raises that failure, then "never computed".
+  init      only makes the group.
 """
 
 from __future__ import annotations
@@ -241,6 +242,10 @@ def failed_read(directory: str, rank: int, world: int) -> bool:
     return True
 
 
+def init_only(directory: str, rank: int, world: int) -> None:
+    """Makes the group (and its shared-memory segments) and nothing else."""
+
+
 def main() -> None:
     scenario, directory = sys.argv[1], sys.argv[2]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -249,7 +254,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     scenarios = {"dcp-save": dcp_save, "dcp-load": dcp_load, "funcol": funcol,
                  "fsdp-options": fsdp_options, "sequence-parallel": sequence_parallel,
-                 "failed-read": failed_read}
+                 "failed-read": failed_read, "init": init_only}
     if not scenarios[scenario](directory, rank, world):
         dist.barrier()
     print(f"APIS-OK {scenario} {rank} {world}", flush=True)

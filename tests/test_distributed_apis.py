@@ -68,3 +68,35 @@ def test_sequence_parallel(tmp_path):
 
 def test_reading_a_failed_collectives_output_raises_its_error(tmp_path):
     _torchrun(2, "failed-read", tmp_path)
+
+
+def test_segments_of_a_killed_creator_are_removed_by_the_next_group(tmp_path):
+    # Note [Abandoned kccl segments]: a creator killed before its peers mapped
+    # its segment leaves the name behind; the next group made on the host
+    # removes it, unless its creator still holds its lock (it is alive).
+    import time
+
+    abandoned = "/dev/shm/kccl-999999999-abandonedtest-r0"  # no such process
+    with open(abandoned, "wb") as f:
+        f.truncate(4096)
+    holder = subprocess.Popen(  # a live creator: makes its segment and holds a shared lock
+        [sys.executable, "-c", "import fcntl, os, sys\n"
+         "path = f'/dev/shm/kccl-{os.getpid()}-alivetest-r0'\n"
+         "f = open(path, 'wb'); f.truncate(4096); fcntl.flock(f, fcntl.LOCK_SH)\n"
+         "print(path, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    alive = None
+    try:
+        alive = holder.stdout.readline().strip()
+        old = time.time() - 60  # older than the 10 s grace of a segment being made
+        for path in (abandoned, alive):
+            os.utime(path, (old, old))
+        _torchrun(2, "init", tmp_path)
+        assert not os.path.exists(abandoned)
+        assert os.path.exists(alive)
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in (abandoned, alive):
+            if path and os.path.exists(path):
+                os.unlink(path)

@@ -114,6 +114,7 @@ ShmGroup::ShmGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   segments_.resize(size);
   // header, the collectives' slot, then the point-to-point slots
   const size_t bytes = kHeaderBytes + 2 * slot_bytes;
+  ShmSegment::removeAbandoned("kccl-"); // Note [Abandoned kccl segments]
   segments_[rank] = ShmSegment::create(uniqueSegmentName(rank), bytes);
   auto* own = new (segments_[rank].data()) Header{};
   own->magic = kMagic;

@@ -4,10 +4,14 @@
 #include <cstring>
 #include <utility>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <ctime>
 
 #include <c10/util/Exception.h>
 
@@ -33,11 +37,45 @@ void* mapFd(int fd, size_t bytes, const std::string& name) {
   return data;
 }
 
+// Note [Abandoned kccl segments]: a segment whose creator holds no lock on
+// it and that is older than this is abandoned (the creator takes its lock
+// microseconds after creating it).
+constexpr time_t kAbandonedAfterSeconds = 10;
+
 } // namespace
+
+void ShmSegment::removeAbandoned(const std::string& prefix) {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) {
+    return;
+  }
+  const time_t now = ::time(nullptr);
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string file = entry->d_name;
+    if (file.rfind(prefix, 0) != 0) {
+      continue;
+    }
+    const std::string name = "/" + file;
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      continue; // gone meanwhile, or another user's
+    }
+    struct stat info {};
+    if (::fstat(fd, &info) == 0 && now - info.st_mtime >= kAbandonedAfterSeconds &&
+        ::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      ::shm_unlink(name.c_str()); // no creator holds it: nobody else will
+    }
+    ::close(fd);
+  }
+  ::closedir(dir);
+}
 
 ShmSegment::~ShmSegment() {
   if (owner_ && !unlinked_ && !name_.empty()) {
     ::shm_unlink(name_.c_str());
+  }
+  if (lock_fd_ >= 0) {
+    ::close(lock_fd_);
   }
   if (data_ != nullptr) {
     ::munmap(data_, size_);
@@ -52,6 +90,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
   std::swap(size_, other.size_);
   std::swap(owner_, other.owner_);
   std::swap(unlinked_, other.unlinked_);
+  std::swap(lock_fd_, other.lock_fd_);
   return *this;
 }
 
@@ -60,8 +99,21 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
   if (fd < 0) {
     fail("shm_open (create)", name, errno);
   }
+  // Held until the name is unlinked or this process ends (also when killed):
+  // Note [Abandoned kccl segments].
+  const int lock_fd = ::dup(fd);
+  if (lock_fd < 0 || ::flock(lock_fd, LOCK_SH) != 0) {
+    const int error = errno;
+    if (lock_fd >= 0) {
+      ::close(lock_fd);
+    }
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    fail("flock", name, error);
+  }
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     const int error = errno;
+    ::close(lock_fd);
     ::close(fd);
     ::shm_unlink(name.c_str());
     fail("ftruncate", name, error);
@@ -69,6 +121,7 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
   ShmSegment segment;
   segment.name_ = name;
   segment.owner_ = true;
+  segment.lock_fd_ = lock_fd;
   try {
     segment.data_ = mapFd(fd, bytes, name);
   } catch (...) {
@@ -103,7 +156,12 @@ bool ShmSegment::unlink() {
     return false;
   }
   unlinked_ = true;
-  return ::shm_unlink(name_.c_str()) == 0;
+  const bool removed = ::shm_unlink(name_.c_str()) == 0;
+  if (lock_fd_ >= 0) {
+    ::close(lock_fd_); // no name left for anyone to reclaim
+    lock_fd_ = -1;
+  }
+  return removed;
 }
 
 } // namespace c10d::kiln

@@ -7,6 +7,17 @@
 // is killed later (See Note [kccl shared-memory protocol] in ShmGroup.h).
 // The mapping itself lives until the ShmSegment is destroyed.
 //
+// Note [Abandoned kccl segments]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A creator killed before every rank mapped its segment (a peer that never
+// joined, torchrun stopping the job) cannot unlink it. So the creator holds
+// a shared flock on the segment until it unlinks the name; the kernel drops
+// the lock when the process dies, however it dies. removeAbandoned(), called
+// before every group creates its segments, unlinks the segments of the
+// prefix that nobody locks and that are older than 10 s (the lock is taken
+// microseconds after creation). flock works across PID namespaces, so a
+// live creator in another container sharing /dev/shm keeps its segment.
+//
 // Errors: creation, opening and mapping throw c10::DistBackendError naming
 // the segment and the system error (errno text).
 //
@@ -37,6 +48,11 @@ class ShmSegment {
   // creator unlinks. Returns false if the name was already gone.
   bool unlink();
 
+  // Unlinks the segments in /dev/shm whose names start with `prefix` (no
+  // leading '/', e.g. "kccl-") and whose creators are gone (Note [Abandoned
+  // kccl segments]). Never throws; segments it cannot open are left.
+  static void removeAbandoned(const std::string& prefix);
+
   void* data() const noexcept { return data_; }
   size_t size() const noexcept { return size_; }
   const std::string& name() const noexcept { return name_; }
@@ -47,6 +63,7 @@ class ShmSegment {
   size_t size_ = 0;
   bool owner_ = false;    // created here: unlinks on destruction if still named
   bool unlinked_ = false;
+  int lock_fd_ = -1;      // the creator's flock, held while the name exists
 };
 
 } // namespace c10d::kiln
