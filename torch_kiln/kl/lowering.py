@@ -1,0 +1,535 @@
+"""Lowering a traced kl kernel (ir.Trace) to C++ on kiln/kernel.h.
+
+The generated source is one ``KILN_KERNEL``: it views the tensor arguments
+(``ctx.tensor<T, N>``), reads the scalar arguments and the grid, and runs
+the programs of the grid with ``ctx.parallel_for`` (the device's intra-op
+threads), each program one loop nest per operation in program order. Part
+1 (torch_kiln/kernels) compiles, caches and launches it: see jit.py.
+
+Storage: every tile with storage (tracer.needs_storage) gets a buffer in a
+per-thread arena allocated once per parallel_for chunk (heap, 64-byte
+aligned), pointers declared ``__restrict``; scalars are C++ locals. Index
+tiles with an affine form (ir.Value.affine) are computed where they are
+used, aliases (``t[:, None]``) read their base's buffer.
+
+Arithmetic: bfloat16 and float16 values compute in float and round to their
+type at each op (as PyTorch's CPU kernels do); float32 in float; integers in
+their type; integer ``//`` and ``%`` floor (torch) and fail on a zero
+divisor; maximum/minimum propagate NaN. Sums accumulate in float32 (int64
+for integers) over 8 interleaved partial sums. Loads and stores check every
+unmasked index against the tensor's size; a failure throws kiln::Error
+("kl kernel '<name>' at <file>:<line>: kl.load from 'x' ...: index i is out
+of bounds for dimension d of size n"), the stream's sticky error at the next
+synchronization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_kiln.kl import ir
+from torch_kiln.kl.tracer import needs_storage
+
+CTYPE = {torch.float32: "float", torch.bfloat16: "kiln::bfloat16", torch.float16: "kiln::half",
+         torch.int32: "int32_t", torch.int64: "int64_t", torch.bool: "bool"}
+SIG_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+             torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+_HALF = (torch.bfloat16, torch.float16)
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <kiln/kernel.h>
+
+namespace {
+template <typename T> inline T kl_maximum(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
+  return a > b ? a : b;
+}
+template <typename T> inline T kl_minimum(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
+  return a < b ? a : b;
+}
+template <typename T> inline T kl_floordiv(T a, T b, const char* where) {
+  KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  T q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+template <typename T> inline T kl_mod(T a, T b, const char* where) {
+  KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  T r = a % b;
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  return r;
+}
+[[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
+    const char* where, int64_t index, int dim, int64_t size) {
+  throw kiln::Error(std::string(where) + ": index " + std::to_string(index) +
+                    " is out of bounds for dimension " + std::to_string(dim) + " of size " +
+                    std::to_string(size) + "; mask the ragged edge with mask=");
+}
+} // namespace
+"""
+
+
+def compute_type(dtype) -> str:
+    return "float" if dtype in _HALF else CTYPE[dtype]
+
+
+def convert(expr: str, src, dst) -> str:
+    """C++ converting ``expr`` (of C++ type compute_type(src) or CTYPE[src])
+    to CTYPE[dst] (or its compute type: the same for non-half types)."""
+    if src == dst:
+        return expr
+    if src in _HALF:
+        expr = f"static_cast<float>({expr})"
+        src = torch.float32
+        if src == dst:
+            return expr
+    if dst in _HALF:
+        return f"{CTYPE[dst]}(static_cast<float>({expr}))"
+    return f"static_cast<{CTYPE[dst]}>({expr})"
+
+
+def to_compute(expr: str, src, dst) -> str:
+    """``expr`` of dtype src as the compute type of dst (float for halves)."""
+    target = torch.float32 if dst in _HALF else dst
+    return convert(expr, src, target)
+
+
+def literal(value, dtype) -> str:
+    ct = compute_type(dtype)
+    if isinstance(value, bool):
+        v = "true" if value else "false"
+    elif isinstance(value, float):
+        if math.isnan(value):
+            return f"std::numeric_limits<{ct}>::quiet_NaN()"
+        if math.isinf(value):
+            return f"{'-' if value < 0 else ''}std::numeric_limits<{ct}>::infinity()"
+        v = repr(value)
+    else:
+        v = f"INT64_C({value})"
+    return f"static_cast<{ct}>({v})"
+
+
+def cstring(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 32 <= ord(ch) < 127:
+            out.append(ch)
+        else:
+            out.append(f"\\x{ord(ch):02x}\"\"")
+    return '"' + "".join(out) + '"'
+
+
+def _strides(shape):
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return list(reversed(strides))
+
+
+class _Emitter:
+    def __init__(self, trace: ir.Trace, kernel_name: str):
+        self.trace = trace
+        self.kernel_name = kernel_name
+        self.lines: list[str] = []
+        self.indent = 0
+        self.buffers: dict[int, tuple[ir.Value, int]] = {}
+        self.arena = 0
+        self.scalars: list[ir.Value] = []
+        self.counter = 0
+        for op in ir.walk(trace.block):
+            v = op.result
+            if v is None:
+                continue
+            if v.shape == ():
+                self.scalars.append(v)
+            elif needs_storage(v):
+                self.buffers[v.id] = (v, self.arena)
+                self.arena += (v.numel * v.dtype.itemsize + 63) // 64 * 64
+
+    def line(self, text: str) -> None:
+        self.lines.append("  " * self.indent + text)
+
+    def fresh(self, prefix="i") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def where(self, op: ir.Op, what: str) -> str:
+        filename, lineno = op.loc
+        return cstring(f"kl kernel {self.trace.name!r} at {filename}:{lineno}: {what}")
+
+    # ------------------------------------------------------------ elements
+    def elem(self, v, idx: list[str]) -> str:
+        """C++ for element ``idx`` (index expressions of the consumer's dims,
+        right-aligned) of operand ``v``, in CTYPE[v.dtype]."""
+        if not isinstance(v, ir.Value):
+            raise AssertionError(v)
+        if v.shape == ():
+            return v.name
+        pad = len(idx) - len(v.shape)
+        assert pad >= 0, (v.shape, idx)
+        if v.affine is not None:
+            base, coeffs = v.affine
+            terms = [base]
+            for d, (c, size) in enumerate(zip(coeffs, v.shape)):
+                if size == 1 or c == "0":
+                    continue
+                terms.append(idx[pad + d] if c == "1" else f"{c} * {idx[pad + d]}")
+            return "(" + " + ".join(terms) + ")"
+        base = v.alias_of or v
+        if base.shape == ():
+            return base.name
+        offset = []
+        for d, (size, stride) in enumerate(zip(v.shape, _strides(v.shape))):
+            if size == 1:
+                continue
+            offset.append(idx[pad + d] if stride == 1 else f"{idx[pad + d]} * {stride}")
+        return f"{base.name}[{' + '.join(offset) or '0'}]"
+
+    def operand(self, o, idx, dtype_of_compute) -> str:
+        """Operand ``o`` (Value or number) at idx, in the compute type of
+        ``dtype_of_compute``."""
+        if isinstance(o, ir.Value):
+            return to_compute(self.elem(o, idx), o.dtype, dtype_of_compute)
+        return literal(o, dtype_of_compute)
+
+    def loops(self, shape, body) -> None:
+        """Nested loops over ``shape``; ``body(idx, flat)`` emits the inner lines."""
+        idx = []
+        for size in shape:
+            i = self.fresh()
+            self.line(f"for (int64_t {i} = 0; {i} < {size}; ++{i}) {{")
+            self.indent += 1
+            idx.append(i)
+        strides = _strides(shape)
+        flat = " + ".join(i if s == 1 else f"{i} * {s}" for i, s in zip(idx, strides)) or "0"
+        body(idx, flat)
+        for _ in shape:
+            self.indent -= 1
+            self.line("}")
+
+    def assign(self, v: ir.Value, expr_fn, compute_dtype) -> None:
+        """v = expr elementwise; expr_fn(idx) gives C++ in compute_dtype's compute type."""
+        if v.shape == ():
+            self.line(f"{v.name} = {convert(expr_fn([]), compute_dtype, v.dtype)};")
+            return
+        if v.id not in self.buffers:
+            return  # computed where used (affine) or an alias
+        self.loops(v.shape, lambda idx, flat: self.line(
+            f"{v.name}[{flat}] = {convert(expr_fn(idx), compute_dtype, v.dtype)};"))
+
+    # ----------------------------------------------------------------- ops
+    def emit_block(self, block: ir.Block) -> None:
+        for op in block.ops:
+            handler = getattr(self, "op_" + op.kind, None)
+            if handler is not None:
+                handler(op)
+            else:
+                self.op_elementwise(op)
+
+    def op_tensor_size(self, op):
+        self.line(f"{op.result.name} = {op.operands[0]}_sizes[{op.attrs['dim']}];")
+
+    def op_tensor_stride(self, op):
+        self.line(f"{op.result.name} = {op.operands[0]}_strides[{op.attrs['dim']}];")
+
+    def op_scalar_arg(self, op):
+        self.line(f"{op.result.name} = s_{op.operands[0]};")
+
+    def op_program_id(self, op):
+        self.line(f"{op.result.name} = kl_pid{op.attrs['axis']};")
+
+    def op_num_programs(self, op):
+        self.line(f"{op.result.name} = kl_grid{op.attrs['axis']};")
+
+    def op_arange(self, op):
+        v = op.result
+        self.assign(v, lambda idx: f"(INT64_C({op.attrs['start']}) + {idx[0]})", torch.int64)
+
+    def op_full(self, op):
+        v = op.result
+        self.assign(v, lambda idx: literal(op.attrs["value"], v.dtype), v.dtype)
+
+    def op_expand_dims(self, op):
+        v, src = op.result, op.operands[0]
+        inserted = op.attrs["inserted"]
+        self.assign(v, lambda idx: self.elem(src, [i for d, i in enumerate(idx)
+                                                   if d not in inserted]), src.dtype)
+
+    def op_broadcast(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
+
+    def op_cast(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
+
+    def op_transpose(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
+
+    def op_elementwise(self, op):
+        v, kind = op.result, op.kind
+        ops = op.operands
+        if kind == "where":
+            c, a, b = ops
+            self.assign(v, lambda idx: f"({self.elem(c, idx)} ? {self.operand(a, idx, v.dtype)} "
+                                       f": {self.operand(b, idx, v.dtype)})", v.dtype)
+            return
+        if kind in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor", "abs",
+                    "invert"):
+            x = ops[0]
+            ct = compute_type(v.dtype)
+
+            def unary(idx):
+                a = self.operand(x, idx, v.dtype)
+                if kind == "rsqrt":
+                    return f"({ct}(1) / std::sqrt({a}))"
+                if kind == "sigmoid":
+                    return f"({ct}(1) / ({ct}(1) + std::exp(-{a})))"
+                if kind == "abs":
+                    return f"std::abs({a})" if v.dtype.is_floating_point else \
+                        f"({a} < 0 ? -{a} : {a})"
+                if kind == "invert":
+                    return f"(!{a})" if v.dtype == torch.bool else f"(~{a})"
+                return f"std::{kind}({a})"
+            self.assign(v, unary, v.dtype)
+            return
+        common = op.attrs["common"]
+        a, b = ops
+        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">",
+               "ge": ">=", "eq": "==", "ne": "!="}
+        bool_sym = {"and": "&&", "or": "||", "xor": "!="}
+        int_sym = {"and": "&", "or": "|", "xor": "^"}
+        where = self.where(op, "kl '" + kind + "'")
+
+        def binary(idx):
+            x, y = self.operand(a, idx, common), self.operand(b, idx, common)
+            if kind in sym:
+                return f"({x} {sym[kind]} {y})"
+            if kind in bool_sym:
+                return f"({x} {(bool_sym if common == torch.bool else int_sym)[kind]} {y})"
+            if kind in ("maximum", "minimum"):
+                return f"kl_{kind}<{compute_type(common)}>({x}, {y})"
+            return f"kl_{kind}<{compute_type(common)}>({x}, {y}, {where})"
+        result_compute = torch.bool if kind in ("lt", "le", "gt", "ge", "eq", "ne") else common
+        self.assign(v, binary, result_compute)
+
+    def op_sum(self, op):
+        self.reduce(op)
+
+    op_max = op_min = op_sum
+
+    def reduce(self, op):
+        v, x = op.result, op.operands[0]
+        axis, kind = op.attrs["axis"], op.kind
+        if kind == "sum":
+            acc_dtype = torch.float32 if x.dtype.is_floating_point else torch.int64
+        else:
+            acc_dtype = torch.float32 if x.dtype in _HALF else x.dtype
+        at = CTYPE[acc_dtype]
+        if kind == "sum":
+            init = f"{at}(0)"
+            combine = "({a} + {b})"
+        else:
+            if acc_dtype.is_floating_point:
+                init = f"{'-' if kind == 'max' else ''}std::numeric_limits<{at}>::infinity()"
+            else:
+                init = f"std::numeric_limits<{at}>::{'lowest' if kind == 'max' else 'max'}()"
+            combine = "kl_" + ("maximum" if kind == "max" else "minimum") + f"<{at}>({{a}}, {{b}})"
+        outer = [d for d in range(len(x.shape)) if d != axis]
+        n = x.shape[axis]
+        out_shape = [x.shape[d] for d in outer]
+
+        def body(idx, flat):
+            def at_index(r):
+                full = list(idx)
+                full.insert(axis, r)
+                return to_compute(self.elem(x, full), x.dtype, acc_dtype)
+            lanes = self.fresh("lanes")
+            r = self.fresh("r")
+            self.line(f"{at} {lanes}[8];")
+            self.line(f"for (int l = 0; l < 8; ++l) {lanes}[l] = {init};")
+            self.line(f"int64_t {r} = 0;")
+            self.line(f"for (; {r} + 8 <= {n}; {r} += 8) {{")
+            self.line(f"  for (int l = 0; l < 8; ++l) {lanes}[l] = "
+                      + combine.format(a=f"{lanes}[l]", b=at_index(f"({r} + l)")) + ";")
+            self.line("}")
+            total = self.fresh("total")
+            self.line(f"{at} {total} = {lanes}[0];")
+            self.line(f"for (int l = 1; l < 8; ++l) {total} = "
+                      + combine.format(a=total, b=f"{lanes}[l]") + ";")
+            self.line(f"for (; {r} < {n}; ++{r}) {total} = "
+                      + combine.format(a=total, b=at_index(r)) + ";")
+            if v.shape == ():
+                self.line(f"{v.name} = {convert(total, acc_dtype, v.dtype)};")
+            else:
+                # keepdims only inserts a size-1 dim: the flat offset is the same
+                self.line(f"{v.name}[{flat}] = {convert(total, acc_dtype, v.dtype)};")
+        self.loops(out_shape, body)
+
+    def op_matmul(self, op):
+        v, (a, b) = op.result, op.operands
+        m, k = a.shape
+        n = b.shape[1]
+        i, j, kk = self.fresh(), self.fresh(), self.fresh()
+        self.line(f"for (int64_t {i} = 0; {i} < {m}; ++{i}) {{")
+        self.line(f"  float* __restrict kl_row = {v.name} + {i} * {n};")
+        self.line(f"  for (int64_t {j} = 0; {j} < {n}; ++{j}) kl_row[{j}] = 0.0f;")
+        self.line(f"  for (int64_t {kk} = 0; {kk} < {k}; ++{kk}) {{")
+        self.line(f"    const float kl_a = {to_compute(self.elem(a, [i, kk]), a.dtype, torch.float32)};")
+        self.line(f"    for (int64_t {j} = 0; {j} < {n}; ++{j}) kl_row[{j}] += kl_a * "
+                  f"{to_compute(self.elem(b, [kk, j]), b.dtype, torch.float32)};")
+        self.line("  }")
+        self.line("}")
+
+    def _access(self, op, kind):
+        x, mask, third, *index = op.operands
+        shape = op.result.shape if op.result is not None else op.attrs["shape"]
+        spec_dtype = self.trace.tensor_specs[x][0]
+        ct = CTYPE[spec_dtype]
+
+        def body(idx, flat):
+            cond = self.elem(mask, idx) if mask is not None else None
+            if kind == "load":
+                r = self.fresh("x")
+                if third is None:
+                    other = literal(float("nan") if spec_dtype.is_floating_point else 0,
+                                    spec_dtype)
+                    other = convert(other, torch.float32 if spec_dtype in _HALF else spec_dtype,
+                                    spec_dtype)
+                elif isinstance(third, ir.Value):
+                    other = self.elem(third, idx)
+                else:
+                    other = convert(literal(third, spec_dtype), torch.float32
+                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                self.line(f"{ct} {r} = {other};")
+            if cond is not None:
+                self.line(f"if ({cond}) {{")
+                self.indent += 1
+            offs = []
+            for d, ix in enumerate(index):
+                j = self.fresh("j")
+                e = self.elem(ix, idx) if isinstance(ix, ir.Value) else f"INT64_C({ix})"
+                if isinstance(ix, ir.Value) and ix.dtype != torch.int64:
+                    e = f"static_cast<int64_t>({e})"
+                self.line(f"const int64_t {j} = {e};")
+                what = f"kl.{kind} {'from' if kind == 'load' else 'to'} '{x}'"
+                self.line(f"if (__builtin_expect({j} < 0 || {j} >= {x}_sizes[{d}], 0)) "
+                          f"kl_out_of_bounds({self.where(op, what)}, {j}, {d}, {x}_sizes[{d}]);")
+                offs.append(f"{j} * {x}_strides[{d}]")
+            address = f"{x}_data[{' + '.join(offs) or '0'}]"
+            if kind == "load":
+                self.line(f"{r} = {address};")
+            else:
+                if isinstance(third, ir.Value):
+                    value = self.elem(third, idx)
+                else:
+                    value = convert(literal(third, spec_dtype), torch.float32
+                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                self.line(f"{address} = {value};")
+            if cond is not None:
+                self.indent -= 1
+                self.line("}")
+            if kind == "load":
+                v = op.result
+                self.line(f"{v.name} = {r};" if v.shape == () else f"{v.name}[{flat}] = {r};")
+        self.loops(shape, body)
+
+    def op_load(self, op):
+        self._access(op, "load")
+
+    def op_store(self, op):
+        self._access(op, "store")
+
+    def op_for(self, op):
+        loop: ir.Loop = op.attrs["loop"]
+        start, end = op.operands
+        s = start.name if isinstance(start, ir.Value) else f"INT64_C({start})"
+        e = end.name if isinstance(end, ir.Value) else f"INT64_C({end})"
+        var = loop.var.name
+        self.line(f"for (int64_t {var} = {s}; {var} < {e}; {var} += {op.attrs['step']}) {{")
+        self.indent += 1
+        self.emit_block(loop.body)
+        for outer, inner in loop.carried:
+            if outer.shape == ():
+                self.line(f"{outer.name} = {self.elem(inner, [])};")
+            else:
+                self.loops(outer.shape, lambda idx, flat: self.line(
+                    f"{(outer.alias_of or outer).name}[{flat}] = {self.elem(inner, idx)};"))
+        self.indent -= 1
+        self.line("}")
+
+
+def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
+    """(C++ source, part-1 signature) of the kernel ``kernel_name``."""
+    e = _Emitter(trace, kernel_name)
+    e.indent = 3
+    e.emit_block(trace.block)
+    program_lines = e.lines
+    out = [PRELUDE, f"// kl kernel {trace.name!r}: generated by torch_kiln.kl (lowering.py)",
+           f"KILN_KERNEL({kernel_name}) {{"]
+    sig = []
+    index = 0
+    for p in trace.params:
+        if p.kind == "tensor":
+            dtype, ndim = trace.tensor_specs[p.name]
+            written = p.name in trace.written
+            const = "" if written else "const "
+            out.append(f"  const auto {p.name}_view = ctx.tensor<{const}{CTYPE[dtype]}, {ndim}>"
+                       f"({index});")
+            out.append(f"  {const}{CTYPE[dtype]}* const {p.name}_data = {p.name}_view.data();")
+            out.append(f"  int64_t {p.name}_sizes[{max(ndim, 1)}] = {{0}};")
+            out.append(f"  int64_t {p.name}_strides[{max(ndim, 1)}] = {{0}};")
+            out.append(f"  for (int d = 0; d < {ndim}; ++d) {{ {p.name}_sizes[d] = "
+                       f"{p.name}_view.size(d); {p.name}_strides[d] = {p.name}_view.stride(d); }}")
+            sig.append(f"{SIG_DTYPE[dtype]}[{','.join('*' * ndim)}]{'!' if written else ''} "
+                       f"{p.name}")
+            index += 1
+        elif p.kind == "scalar":
+            if trace.scalar_kinds[p.name] == "int":
+                out.append(f"  const int64_t s_{p.name} = ctx.integer({index});")
+                sig.append(f"int {p.name}")
+            else:
+                out.append(f"  const float s_{p.name} = static_cast<float>(ctx.scalar({index}));")
+                sig.append(f"float {p.name}")
+            index += 1
+    for axis in range(3):
+        out.append(f"  const int64_t kl_grid{axis} = ctx.integer({index});")
+        sig.append(f"int kl_grid{axis}")
+        index += 1
+    out.append("  const int64_t kl_programs = kl_grid0 * kl_grid1 * kl_grid2;")
+    out.append("  ctx.parallel_for(0, kl_programs, 1, [&](int64_t kl_begin, int64_t kl_end) {")
+    if e.arena:
+        out.append(f"    std::unique_ptr<unsigned char[]> kl_arena_owner(new unsigned char"
+                   f"[{e.arena + 64}]);")
+        out.append("    unsigned char* kl_arena = reinterpret_cast<unsigned char*>((reinterpret_cast"
+                   "<uintptr_t>(kl_arena_owner.get()) + 63) & ~uintptr_t(63));")
+    for v, offset in e.buffers.values():
+        out.append(f"    {CTYPE[v.dtype]}* __restrict {v.name} = reinterpret_cast<"
+                   f"{CTYPE[v.dtype]}*>(kl_arena + {offset});")
+    out.append("    for (int64_t kl_program = kl_begin; kl_program < kl_end; ++kl_program) {")
+    out.append("      const int64_t kl_pid0 = kl_program % kl_grid0;")
+    out.append("      const int64_t kl_pid1 = (kl_program / kl_grid0) % kl_grid1;")
+    out.append("      const int64_t kl_pid2 = kl_program / (kl_grid0 * kl_grid1);")
+    out.append("      (void)kl_pid0; (void)kl_pid1; (void)kl_pid2;")
+    for v in e.scalars:
+        if v.id in e.buffers:
+            continue
+        out.append(f"      {CTYPE[v.dtype]} {v.name}{{}};")
+    out += program_lines
+    out.append("    }")
+    out.append("  });")
+    out.append("}")
+    signature = f"{kernel_name}({', '.join(sig)})"
+    return "\n".join(out) + "\n", signature
