@@ -39,14 +39,20 @@ SIG_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16
 _HALF = (torch.bfloat16, torch.float16)
 
 PRELUDE = r"""
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <memory>
 #include <string>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <kiln/kernel.h>
 
 namespace {
+using KlVec = at::vec::Vectorized<float>;
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a > b ? a : b;
@@ -66,6 +72,37 @@ template <typename T> inline T kl_mod(T a, T b, const char* where) {
   T r = a % b;
   if (r != 0 && ((r < 0) != (b < 0))) r += b;
   return r;
+}
+// m ? a : b without a branch (bitwise, so loops of it vectorise).
+template <typename T> inline T kl_select(bool m, T a, T b) {
+  using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4,
+      uint32_t, std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
+  U ua, ub;
+  std::memcpy(&ua, &a, sizeof(T));
+  std::memcpy(&ub, &b, sizeof(T));
+  const U mask = U(0) - U(m);
+  const U r = (ua & mask) | (ub & ~mask);
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+// Narrows [*lo, *hi) to the i in [0, n) where 0 <= j0 + c * i < size.
+inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t* lo,
+                         int64_t* hi) {
+  int64_t a = 0, b = n;  // the i with j0 + c * i in [0, size)
+  if (c == 0) {
+    if (j0 < 0 || j0 >= size) b = 0;
+  } else if (c > 0) {
+    a = j0 >= 0 ? 0 : (-j0 + c - 1) / c;
+    b = size - j0 <= 0 ? 0 : (size - j0 + c - 1) / c;
+  } else {
+    const int64_t m = -c;  // j0 - m * i in [0, size)  <=>  i in ((j0 - size) / m, j0 / m]
+    a = j0 - size < 0 ? 0 : (j0 - size) / m + 1;
+    b = j0 < 0 ? 0 : j0 / m + 1;
+  }
+  *lo = std::max(*lo, std::min(a, n));
+  *hi = std::min(*hi, std::max<int64_t>(std::min(b, n), 0));
+  if (*hi < *lo) *hi = *lo;
 }
 [[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
     const char* where, int64_t index, int dim, int64_t size) {
@@ -278,9 +315,85 @@ class _Emitter:
         v, src = op.result, op.operands[0]
         self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
 
+    # Vectorised float32 elementwise ops (at::vec::Vectorized<float>, the
+    # SIMD math PyTorch's CPU kernels use): the innermost dim runs in vector
+    # steps when every operand is a float32 tile with storage whose innermost
+    # dim matches the result's or is broadcast (size 1), a float32 scalar or
+    # a number.
+    _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+                   "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
+                   "minimum": "at::vec::minimum({a}, {b})"}
+    _VEC_UNARY = {"exp": "{a}.exp()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
+                  "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
+                  "floor": "{a}.floor()", "abs": "{a}.abs()",
+                  "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
+
+    def _vectorisable(self, op) -> bool:
+        v = op.result
+        if v.dtype != torch.float32 or v.shape == () or v.id not in self.buffers:
+            return False
+        if op.kind in self._VEC_BINARY:
+            if op.attrs.get("common") != torch.float32:
+                return False
+        elif op.kind not in self._VEC_UNARY:
+            return False
+        for o in op.operands:
+            if isinstance(o, ir.Value):
+                if o.dtype != torch.float32 or o.affine is not None:
+                    return False
+                if o.shape == () or (o.alias_of is not None and o.alias_of.shape == ()):
+                    continue
+                if len(o.shape) > len(v.shape):
+                    return False
+            elif isinstance(o, bool) or not isinstance(o, (int, float)):
+                return False
+        return True
+
+    def op_vector(self, op):
+        v = op.result
+        n = v.shape[-1]
+        outer = list(v.shape[:-1])
+
+        def body(idx, flat):
+            ii = self.fresh("c")
+            full = idx + [ii]
+
+            def vec_operand(o):
+                if not isinstance(o, ir.Value):
+                    return f"KlVec({literal(o, torch.float32)})"
+                if o.shape == () or o.shape[-1] == 1 or (o.alias_of is not None and
+                                                         o.alias_of.shape == ()):
+                    return f"KlVec({self.elem(o, full)})"
+                return f"KlVec::loadu(&{self.elem(o, full)})"
+
+            row_flat = f"{flat} * {n}" if outer else "0"
+            count = f"({n} - {ii})"
+
+            def vec_of(counted):
+                def operand(o):
+                    text = vec_operand(o)
+                    if counted and text.startswith("KlVec::loadu("):
+                        text = text[:-1] + f", {count})"
+                    return text
+                if op.kind in self._VEC_BINARY:
+                    a, b = op.operands
+                    return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
+                return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
+            self.line(f"int64_t {ii} = 0;")
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
+                      f"{vec_of(False)}.store({v.name} + {row_flat} + {ii});")
+            # the tail: partial loads and stores (KlVec::loadu(p, count)), so
+            # it rounds like the body
+            self.line(f"if ({ii} < {n}) {vec_of(True)}.store({v.name} + {row_flat} + {ii}, "
+                      f"{count});")
+        self.loops(outer, body)
+
     def op_elementwise(self, op):
         v, kind = op.result, op.kind
         ops = op.operands
+        if self._vectorisable(op):
+            self.op_vector(op)
+            return
         if kind == "where":
             c, a, b = ops
             self.assign(v, lambda idx: f"({self.elem(c, idx)} ? {self.operand(a, idx, v.dtype)} "
@@ -309,7 +422,7 @@ class _Emitter:
         a, b = ops
         sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">",
                "ge": ">=", "eq": "==", "ne": "!="}
-        bool_sym = {"and": "&&", "or": "||", "xor": "!="}
+        bool_sym = {"and": "&", "or": "|", "xor": "!="}  # no short-circuit: vectorises
         int_sym = {"and": "&", "or": "|", "xor": "^"}
         where = self.where(op, "kl '" + kind + "'")
 
@@ -350,6 +463,31 @@ class _Emitter:
         outer = [d for d in range(len(x.shape)) if d != axis]
         n = x.shape[axis]
         out_shape = [x.shape[d] for d in outer]
+
+        if (x.dtype == torch.float32 and axis == len(x.shape) - 1 and x.affine is None
+                and not (x.alias_of is not None and x.alias_of.shape == ())):
+            vcombine = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
+                        "min": "at::vec::minimum({a}, {b})"}[kind]
+
+            def vbody(idx, flat):
+                r = self.fresh("r")
+                vacc, lanes, total = self.fresh("vacc"), self.fresh("lanes"), self.fresh("total")
+                self.line(f"KlVec {vacc}({init});")
+                self.line(f"int64_t {r} = 0;")
+                self.line(f"for (; {r} + KlVec::size() <= {n}; {r} += KlVec::size()) {vacc} = "
+                          + vcombine.format(a=vacc, b=f"KlVec::loadu(&{self.elem(x, idx + [r])})")
+                          + ";")
+                self.line(f"float {lanes}[KlVec::size()];")
+                self.line(f"{vacc}.store({lanes});")
+                self.line(f"float {total} = {lanes}[0];")
+                self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
+                          + combine.format(a=total, b=f"{lanes}[l]") + ";")
+                self.line(f"for (; {r} < {n}; ++{r}) {total} = "
+                          + combine.format(a=total, b=self.elem(x, idx + [r])) + ";")
+                target = v.name if v.shape == () else f"{v.name}[{flat}]"
+                self.line(f"{target} = {convert(total, acc_dtype, v.dtype)};")
+            self.loops(out_shape, vbody)
+            return
 
         def body(idx, flat):
             def at_index(r):
@@ -446,10 +584,171 @@ class _Emitter:
                 self.line(f"{v.name} = {r};" if v.shape == () else f"{v.name}[{flat}] = {r};")
         self.loops(shape, body)
 
+    def _linear(self, ix, idx, inner):
+        """(index at inner = 0, coefficient of the inner loop variable) of
+        index operand ``ix`` at ``idx + [inner]``, or None if it is not
+        linear in the inner dim (a gathered index tile)."""
+        if not isinstance(ix, ir.Value):
+            return f"INT64_C({ix})", "0"
+        if ix.shape == () or ix.shape[-1] == 1:
+            return (self.elem(ix, idx + ["0"]) if ix.shape else ix.name), "0"
+        if ix.affine is None:
+            return None
+        base, coeffs = ix.affine
+        pad = len(idx) + 1 - len(ix.shape)
+        terms, inner_coeff = [base], "0"
+        for d, (c, size) in enumerate(zip(coeffs, ix.shape)):
+            if size == 1 or c == "0":
+                continue
+            if pad + d == len(idx):
+                inner_coeff = c
+            else:
+                terms.append(f"{c} * {idx[pad + d]}")
+        return "(" + " + ".join(terms) + ")", inner_coeff
+
+    def _access_rows(self, op, kind) -> bool:
+        """Loads/stores whose indices are linear in the innermost dim: per
+        row, the bounds are checked first (both ends without a mask, each
+        enabled element with one, in a loop without branches), then a loop
+        reads or writes ``row[i * step]`` (unit-step specialised), which
+        the compiler vectorises (masked with AVX-512)."""
+        x, mask, third, *index = op.operands
+        shape = op.result.shape if op.result is not None else op.attrs["shape"]
+        if not shape:
+            return False
+        spec_dtype = self.trace.tensor_specs[x][0]
+        ct = CTYPE[spec_dtype]
+        n = shape[-1]
+        what = f"kl.{kind} {'from' if kind == 'load' else 'to'} '{x}'"
+        where = self.where(op, what)
+        written = kind == "store"
+
+        def probe():
+            i = self.fresh("c")
+            return [self._linear(ix, [f"o{k}" for k in range(len(shape) - 1)], i) for ix in index]
+        if any(p is None for p in probe()):
+            return False
+
+        def body(idx, flat):
+            inner = self.fresh("c")
+            parts = [self._linear(ix, idx, inner) for ix in index]
+            js, cs = [], []
+            for d, (j0, c) in enumerate(parts):
+                j = self.fresh("j")
+                self.line(f"const int64_t {j} = {j0};")
+                js.append(j)
+                cs.append(c)
+            off = " + ".join(f"{j} * {x}_strides[{d}]" for d, j in enumerate(js)) or "0"
+            step = " + ".join(f"{c} * {x}_strides[{d}]" for d, c in enumerate(cs) if c != "0") \
+                or "0"
+            row = self.fresh("row")
+            stp = self.fresh("step")
+            self.line(f"const int64_t {stp} = {step};")
+            # bounds: the elements in [lo, hi) are inside x along every dim;
+            # an enabled element outside is an error (reported for the
+            # first one, with its index).
+            lo, hi = self.fresh("lo"), self.fresh("hi")
+            self.line(f"int64_t {lo} = 0, {hi} = {n};")
+            for d, (j, c) in enumerate(zip(js, cs)):
+                self.line(f"kl_in_bounds({j}, {c}, {x}_sizes[{d}], {n}, &{lo}, &{hi});")
+            enabled = "true" if mask is None else self.elem(mask, idx + [inner])
+            self.line(f"if (__builtin_expect({lo} > 0 || {hi} < {n}, 0)) {{")
+            self.line(f"  for (int64_t {inner} = 0; {inner} < {n}; ++{inner}) {{")
+            self.line(f"    if (({inner} >= {lo} && {inner} < {hi}) || !{enabled}) continue;")
+            for d, (j, c) in enumerate(zip(js, cs)):
+                e = f"({j} + {c} * {inner})"
+                self.line(f"    if (static_cast<uint64_t>{e} >= static_cast<uint64_t>"
+                          f"({x}_sizes[{d}])) kl_out_of_bounds({where}, {e}, {d}, "
+                          f"{x}_sizes[{d}]);")
+            self.line("  }")
+            self.line("}")
+            const = "" if written else "const "
+            self.line(f"{const}{ct}* __restrict {row} = {x}_data + ({off});")
+            target = None
+            if kind == "load":
+                v = op.result
+                target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
+                    f"{v.name}[{inner}]"
+                if third is None:
+                    other = convert(literal(float("nan") if spec_dtype.is_floating_point else 0,
+                                            spec_dtype), torch.float32 if spec_dtype in _HALF
+                                    else spec_dtype, spec_dtype)
+                elif isinstance(third, ir.Value):
+                    other = self.elem(third, idx + [inner])
+                else:
+                    other = convert(literal(third, spec_dtype), torch.float32
+                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+            else:
+                if isinstance(third, ir.Value):
+                    value = self.elem(third, idx + [inner])
+                else:
+                    value = convert(literal(third, spec_dtype), torch.float32
+                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+            if kind == "load":
+                # outside [lo, hi) every element is masked off (checked above)
+                self.line(f"for (int64_t {inner} = 0; {inner} < {lo}; ++{inner}) "
+                          f"{target} = {other};")
+                self.line(f"for (int64_t {inner} = {hi}; {inner} < {n}; ++{inner}) "
+                          f"{target} = {other};")
+            every = None
+            if mask is not None:
+                # a row whose enabled elements are all of [lo, hi) (inside a
+                # ragged tile) takes the loop without the mask
+                every = self.fresh("every")
+                mshape = mask.shape
+                if not mshape or mshape[-1] == 1:
+                    self.line(f"const bool {every} = {self.elem(mask, idx + ['0'])};")
+                elif mask.affine is None and not (mask.alias_of is not None and
+                                                  mask.alias_of.shape == ()):
+                    # the row's mask bytes are contiguous: all true = no 0 byte
+                    self.line(f"const bool {every} = {hi} <= {lo} || std::memchr("
+                              f"&{self.elem(mask, idx + [lo])}, 0, {hi} - {lo}) == nullptr;")
+                else:
+                    count = self.fresh("enabled")
+                    self.line(f"int64_t {count} = 0;")
+                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
+                              f"{count} += {self.elem(mask, idx + [inner])};")
+                    self.line(f"const bool {every} = {count} == {hi} - {lo};")
+            for unit in (True, False):
+                address = f"{row}[{inner}]" if unit else f"{row}[{inner} * {stp}]"
+                for masked in ((False,) if mask is None else (False, True)):
+                    conds = ([f"{stp} == 1"] if unit else [f"{stp} != 1"])
+                    if mask is not None:
+                        conds.append(f"!{every}" if masked else every)
+                    self.line(f"if ({' && '.join(conds)}) {{")
+                    self.indent += 1
+                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) {{")
+                    self.indent += 1
+                    if kind == "load":
+                        if not masked:
+                            self.line(f"{target} = {address};")
+                        else:
+                            # in bounds: read unconditionally, then select
+                            t = self.fresh("t")
+                            self.line(f"const {ct} {t} = {address};")
+                            self.line(f"{target} = kl_select<{ct}>("
+                                      f"{self.elem(mask, idx + [inner])}, {t}, {other});")
+                    else:
+                        if not masked:
+                            self.line(f"{address} = {value};")
+                        else:
+                            self.line(f"if ({self.elem(mask, idx + [inner])}) {address} = "
+                                      f"{value};")
+                    self.indent -= 1
+                    self.line("}")
+                    self.indent -= 1
+                    self.line("}")
+        self.loops(list(shape[:-1]), body)
+        return True
+
     def op_load(self, op):
+        if self._access_rows(op, "load"):
+            return
         self._access(op, "load")
 
     def op_store(self, op):
+        if self._access_rows(op, "store"):
+            return
         self._access(op, "store")
 
     def op_for(self, op):
