@@ -160,6 +160,10 @@ class JITFunction:
         if len(args) > len(self.params):
             raise TypeError(f"kl kernel {self.fn.__name__} takes {len(self.params)} arguments "
                             f"({', '.join(p.name for p in self.params)}), got {len(args)}")
+        names = {p.name for p in self.params}
+        for k in kwargs:
+            if k not in names:
+                raise TypeError(f"kl kernel {self.fn.__name__}: unexpected argument '{k}'")
         values = {}
         for i, p in enumerate(self.params):
             if i < len(args):
@@ -174,13 +178,29 @@ class JITFunction:
             else:
                 raise TypeError(f"kl kernel {self.fn.__name__}: missing argument '{p.name}' "
                                 f"(takes {', '.join(p.name for p in self.params)})")
-        for k in kwargs:
-            if k not in values:
-                raise TypeError(f"kl kernel {self.fn.__name__}: unexpected argument '{k}'")
         return values
+
+    def _check_kinds(self, values) -> None:
+        """Tensors for tensor parameters, numbers for the others (checked
+        before the operator call, whose schema would reject them with a
+        message that does not name the kernel)."""
+        where = f"kl kernel {self.fn.__name__}"
+        for p in self.params:
+            v = values[p.name]
+            if p.kind == "tensor" and not isinstance(v, torch.Tensor):
+                raise TypeError(f"{where}: argument '{p.name}' must be a tensor (the kernel "
+                                f"loads or stores it), got {type(v).__name__}")
+            if p.kind == "scalar" and (isinstance(v, (torch.Tensor, bool)) or
+                                       not isinstance(v, numbers.Real)):
+                raise TypeError(f"{where}: argument '{p.name}' must be an int or float scalar "
+                                f"(the kernel does not kl.load it), got {type(v).__name__}")
+            if p.kind == "constexpr" and not isinstance(v, (bool, int, float)):
+                raise TypeError(f"{where}: kl.constexpr argument '{p.name}' must be a Python "
+                                f"int, float or bool, got {type(v).__name__}")
 
     def _launch(self, grid, args, kwargs):
         values = self._bind(args, kwargs)
+        self._check_kinds(values)
         if callable(grid):
             grid = grid(values)
         if not isinstance(grid, (tuple, list)):
