@@ -86,6 +86,49 @@ template <typename T> inline T kl_select(bool m, T a, T b) {
   std::memcpy(&out, &r, sizeof(T));
   return out;
 }
+// One row of a load linear in its inner index: out[i] = row[i * step] for
+// i in [lo, hi) where enabled (mask == nullptr: all; else mask[i]), other
+// elsewhere. [lo, hi) is in bounds (checked by the caller), so reads there
+// are unconditional and the loops vectorise.
+template <typename T>
+void kl_load_row(T* __restrict out, const T* row, int64_t step, int64_t lo, int64_t hi,
+                 int64_t n, const bool* mask, bool enabled, T other) {
+  if (!enabled) lo = hi = n;
+  for (int64_t i = 0; i < lo; ++i) out[i] = other;
+  for (int64_t i = hi; i < n; ++i) out[i] = other;
+  const bool every = mask == nullptr || hi <= lo ||
+                     std::memchr(mask + lo, 0, static_cast<size_t>(hi - lo)) == nullptr;
+  if (every) {
+    if (step == 1) {
+      for (int64_t i = lo; i < hi; ++i) out[i] = row[i];
+    } else {
+      for (int64_t i = lo; i < hi; ++i) out[i] = row[i * step];
+    }
+  } else if (step == 1) {
+    for (int64_t i = lo; i < hi; ++i) { const T t = row[i]; out[i] = kl_select<T>(mask[i], t, other); }
+  } else {
+    for (int64_t i = lo; i < hi; ++i) { const T t = row[i * step]; out[i] = kl_select<T>(mask[i], t, other); }
+  }
+}
+// One row of a store: row[i * step] = values ? values[i] : value for the
+// enabled i in [lo, hi) (in bounds, checked by the caller).
+template <typename T>
+void kl_store_row(T* row, int64_t step, int64_t lo, int64_t hi, const bool* mask, bool enabled,
+                  const T* __restrict values, T value) {
+  if (!enabled || hi <= lo) return;
+  const bool every = mask == nullptr ||
+                     std::memchr(mask + lo, 0, static_cast<size_t>(hi - lo)) == nullptr;
+  if (every) {
+    if (step == 1) {
+      if (values) { for (int64_t i = lo; i < hi; ++i) row[i] = values[i]; }
+      else { for (int64_t i = lo; i < hi; ++i) row[i] = value; }
+    } else {
+      for (int64_t i = lo; i < hi; ++i) row[i * step] = values ? values[i] : value;
+    }
+  } else {
+    for (int64_t i = lo; i < hi; ++i) if (mask[i]) row[i * step] = values ? values[i] : value;
+  }
+}
 // Narrows [*lo, *hi) to the i in [0, n) where 0 <= j0 + c * i < size.
 inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t* lo,
                          int64_t* hi) {
@@ -685,6 +728,18 @@ class _Emitter:
                     value = convert(literal(third, spec_dtype), torch.float32
                                     if spec_dtype in _HALF else spec_dtype, spec_dtype)
             if kind == "load":
+                if third is None or not isinstance(third, ir.Value):
+                    scalar_other = other
+                elif self._broadcast_row(third):
+                    scalar_other = self.elem(third, idx + ["0"])
+                else:
+                    scalar_other = None
+                if scalar_other is not None and self._row_helper(
+                        op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, scalar_other):
+                    return
+            elif self._row_helper(op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, value):
+                return
+            if kind == "load":
                 # outside [lo, hi) every element is masked off (checked above)
                 self.line(f"for (int64_t {inner} = 0; {inner} < {lo}; ++{inner}) "
                           f"{target} = {other};")
@@ -739,6 +794,46 @@ class _Emitter:
                     self.indent -= 1
                     self.line("}")
         self.loops(list(shape[:-1]), body)
+        return True
+
+    @staticmethod
+    def _contiguous_row(v, n) -> bool:
+        """Whether tile ``v``'s innermost dim is a contiguous row of ``n`` in a buffer."""
+        return (isinstance(v, ir.Value) and bool(v.shape) and v.shape[-1] == n
+                and v.affine is None and not (v.alias_of is not None and v.alias_of.shape == ()))
+
+    @staticmethod
+    def _broadcast_row(v) -> bool:
+        return isinstance(v, ir.Value) and (not v.shape or v.shape[-1] == 1)
+
+    def _row_helper(self, op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, third) -> bool:
+        """A row through kl_load_row / kl_store_row when the mask (and the
+        stored value) are contiguous rows or broadcast along the row."""
+        x, mask, value = op.operands[0], op.operands[1], op.operands[2]
+        if mask is None:
+            mask_ptr, enabled = "nullptr", "true"
+        elif self._contiguous_row(mask, n):
+            mask_ptr, enabled = f"&{self.elem(mask, idx + ['0'])}", "true"
+        elif self._broadcast_row(mask):
+            mask_ptr, enabled = "nullptr", self.elem(mask, idx + ["0"])
+        else:
+            return False
+        if kind == "load":
+            v = op.result
+            out = f"{v.name} + {flat} * {n}" if len(v.shape) > 1 else v.name
+            self.line(f"kl_load_row<{ct}>({out}, {row}, {stp}, {lo}, {hi}, {n}, {mask_ptr}, "
+                      f"{enabled}, {third});")
+            return True
+        if self._contiguous_row(value, n):
+            values, scalar = f"&{self.elem(value, idx + ['0'])}", f"{ct}()"
+        elif self._broadcast_row(value):
+            values, scalar = "nullptr", self.elem(value, idx + ["0"])
+        elif not isinstance(value, ir.Value):
+            values, scalar = "nullptr", third
+        else:
+            return False
+        self.line(f"kl_store_row<{ct}>({row}, {stp}, {lo}, {hi}, {mask_ptr}, {enabled}, "
+                  f"{values}, {scalar});")
         return True
 
     def op_load(self, op):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from torch_kiln.kl import tile_model
-from torch_kiln.kl.errors import backend, error
+from torch_kiln.kl.errors import error
 
 
 class Tile:
@@ -35,7 +35,10 @@ class Tile:
         return len(self.shape)
 
     def __repr__(self) -> str:
-        return backend().describe(self)
+        from torch_kiln.kl.errors import state
+        if state.backend is None:
+            return f"Tile(shape={self.shape}, dtype={tile_model.dtype_name(self.dtype)})"
+        return state.backend.describe(self)
 
     __str__ = __repr__
 

@@ -197,7 +197,8 @@ class _Range:
             after = frame.f_locals
             for name, outer in self.before_values.items():
                 now = after.get(name)
-                if not isinstance(now, Tile) or now.handle is outer:
+                if not isinstance(now, Tile) or now.handle is outer or \
+                        now.handle is self.loop.var:  # the name is this loop's variable
                     continue
                 inner = now.handle
                 if inner.shape != outer.shape or inner.dtype != outer.dtype:
