@@ -48,7 +48,7 @@ from torch_kiln.kl.language import constexpr
 _LIBRARY = None
 _NAMES: set[str] = set()
 _LOCK = threading.Lock()
-_COMPILE_STATS = {"traces": 0, "builds": 0}
+_COMPILE_STATS = {"traces": 0, "libraries_loaded": 0}  # per process, for tests
 # Appended to part 1's flags (-O3 ...): -O2 with the vectoriser's dynamic cost
 # model vectorises the same row loops; -O3 takes about 5x longer to build a
 # generated kernel (hundreds of small loops) for no measured gain.
@@ -324,7 +324,7 @@ class JITFunction:
                     source, signature = lowering.lower(entry["trace"], self.name)
                     entry["source"] = source
                     library = kernels.load_inline("kl", source, [signature], extra_cflags=CFLAGS)
-                    _COMPILE_STATS["builds"] += 1
+                    _COMPILE_STATS["libraries_loaded"] += 1
                     entry["library"] = library
                     entry["kernel"] = library.kernels[self.name]
         return entry["kernel"]
