@@ -321,19 +321,22 @@ class JITFunction:
                 if entry["kernel"] is None:
                     from torch_kiln import kernels
 
-                    source, signature = lowering.lower(entry["trace"], self.name)
+                    # The C++ kernel is named after the Python function (not the
+                    # operator, which may carry a _1 suffix), so the generated
+                    # source, hence the disk cache key, depends only on the kernel.
+                    source, signature = lowering.lower(entry["trace"], self.fn.__name__)
                     entry["source"] = source
                     library = kernels.load_inline("kl", source, [signature], extra_cflags=CFLAGS)
                     _COMPILE_STATS["libraries_loaded"] += 1
                     entry["library"] = library
-                    entry["kernel"] = library.kernels[self.name]
+                    entry["kernel"] = library.kernels[self.fn.__name__]
         return entry["kernel"]
 
     def source(self, *args, **kwargs) -> str:
         """The generated C++ for a launch with these arguments."""
         values = self._bind(args, kwargs)
         entry = self._specialisation(values)
-        return lowering.lower(entry["trace"], self.name)[0]
+        return lowering.lower(entry["trace"], self.fn.__name__)[0]
 
 
 class _Launcher:

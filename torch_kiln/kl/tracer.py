@@ -54,6 +54,7 @@ class Tracer:
         self.blocks = [ir.Block()]
         self.scope: list[int] = []
         self._loop_ids = iter(range(1, 1 << 30))
+        self._value_ids = iter(range(1 << 62))
         self.written: set[str] = set()
         self.deps: dict[int, set] = {}  # value id -> scalar Values its affine form reads
 
@@ -71,7 +72,9 @@ class Tracer:
         return v
 
     def new_value(self, shape, dtype) -> ir.Value:
-        return ir.Value(tuple(shape), dtype, scope=tuple(self.scope))
+        # ids count from 0 in each trace, so the same kernel lowers to the
+        # same source (the disk cache's key) every time
+        return ir.Value(tuple(shape), dtype, scope=tuple(self.scope), id=next(self._value_ids))
 
     def emit(self, kind, operands, result, attrs, loc):
         self.blocks[-1].ops.append(ir.Op(kind, result, operands, attrs, loc))
