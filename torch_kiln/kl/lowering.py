@@ -37,6 +37,7 @@ CTYPE = {torch.float32: "float", torch.bfloat16: "kiln::bfloat16", torch.float16
 SIG_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
              torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
 _HALF = (torch.bfloat16, torch.float16)
+FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
 
 PRELUDE = r"""
 #include <algorithm>
@@ -235,7 +236,61 @@ class _Emitter:
                 self.scalars.append(v)
             elif needs_storage(v):
                 self.buffers[v.id] = (v, self.arena)
-                self.arena += (v.numel * v.dtype.itemsize + 63) // 64 * 64
+        self.defs = {op.result.id: op for op in ir.walk(trace.block) if op.result is not None}
+        self.inlined = self._choose_inlined() if FUSE_ELEMENTWISE else set()
+        for vid in self.inlined:
+            del self.buffers[vid]
+        for vid, (v, _) in list(self.buffers.items()):
+            self.buffers[vid] = (v, self.arena)
+            self.arena += (v.numel * v.dtype.itemsize + 63) // 64 * 64
+
+    def _choose_inlined(self) -> set[int]:
+        """Note [kl elementwise fusion]: a vectorisable float32 elementwise
+        tile used once, by a vectorisable elementwise op of the same shape
+        later in the same block with no kl.range loop in between, is not
+        stored: its expression is computed inside its consumer's vector loop
+        (one pass instead of two). Loop-carried tiles and tiles viewed by an
+        alias keep their buffers."""
+        uses: dict[int, int] = {}
+        consumer: dict[int, tuple] = {}
+        keep: set[int] = set()
+        placed: list[tuple] = []
+
+        def visit(block):
+            for pos, op in enumerate(block.ops):
+                for o in op.operands:
+                    if isinstance(o, ir.Value):
+                        uses[o.id] = uses.get(o.id, 0) + 1
+                        consumer[o.id] = (op, block, pos)
+                        if o.alias_of is not None:
+                            keep.add(o.alias_of.id)
+                if op.result is not None:
+                    placed.append((op, block, pos))
+                    if op.result.alias_of is not None:
+                        keep.add(op.result.alias_of.id)
+                if op.kind == "for":
+                    loop = op.attrs["loop"]
+                    for outer, inner in loop.carried:
+                        keep.update((outer.id, inner.id, (outer.alias_of or outer).id,
+                                     (inner.alias_of or inner).id))
+                    visit(loop.body)
+        visit(self.trace.block)
+        inlined: set[int] = set()
+        for op, block, pos in placed:
+            v = op.result
+            if v.id not in self.buffers or v.id in keep or uses.get(v.id) != 1:
+                continue
+            if not self._vectorisable(op):
+                continue
+            cop, cblock, cpos = consumer[v.id]
+            if cblock is not block or cop.result is None or cop.result.shape != v.shape:
+                continue
+            if not self._vectorisable(cop):
+                continue
+            if any(o.kind == "for" for o in block.ops[pos + 1:cpos]):
+                continue
+            inlined.add(v.id)
+        return inlined
 
     def line(self, text: str) -> None:
         self.lines.append("  " * self.indent + text)
@@ -392,6 +447,26 @@ class _Emitter:
                 return False
         return True
 
+    def _vec_expr(self, op, full, count) -> str:
+        """The at::vec expression of vectorisable ``op`` at index ``full``
+        (the last index a vector step); ``count``: the elements left in a
+        tail step (partial loads), or None."""
+        def operand(o):
+            if not isinstance(o, ir.Value):
+                return f"KlVec({literal(o, torch.float32)})"
+            if o.id in self.inlined:  # Note [kl elementwise fusion]
+                return self._vec_expr(self.defs[o.id], full, count)
+            if o.shape == () or o.shape[-1] == 1 or (o.alias_of is not None and
+                                                     o.alias_of.shape == ()):
+                return f"KlVec({self.elem(o, full)})"
+            if count is not None:
+                return f"KlVec::loadu(&{self.elem(o, full)}, {count})"
+            return f"KlVec::loadu(&{self.elem(o, full)})"
+        if op.kind in self._VEC_BINARY:
+            a, b = op.operands
+            return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
+        return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
+
     def op_vector(self, op):
         v = op.result
         n = v.shape[-1]
@@ -400,40 +475,22 @@ class _Emitter:
         def body(idx, flat):
             ii = self.fresh("c")
             full = idx + [ii]
-
-            def vec_operand(o):
-                if not isinstance(o, ir.Value):
-                    return f"KlVec({literal(o, torch.float32)})"
-                if o.shape == () or o.shape[-1] == 1 or (o.alias_of is not None and
-                                                         o.alias_of.shape == ()):
-                    return f"KlVec({self.elem(o, full)})"
-                return f"KlVec::loadu(&{self.elem(o, full)})"
-
             row_flat = f"{flat} * {n}" if outer else "0"
             count = f"({n} - {ii})"
-
-            def vec_of(counted):
-                def operand(o):
-                    text = vec_operand(o)
-                    if counted and text.startswith("KlVec::loadu("):
-                        text = text[:-1] + f", {count})"
-                    return text
-                if op.kind in self._VEC_BINARY:
-                    a, b = op.operands
-                    return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
-                return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
             self.line(f"int64_t {ii} = 0;")
             self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
-                      f"{vec_of(False)}.store({v.name} + {row_flat} + {ii});")
+                      f"{self._vec_expr(op, full, None)}.store({v.name} + {row_flat} + {ii});")
             # the tail: partial loads and stores (KlVec::loadu(p, count)), so
             # it rounds like the body
-            self.line(f"if ({ii} < {n}) {vec_of(True)}.store({v.name} + {row_flat} + {ii}, "
-                      f"{count});")
+            self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({v.name} + "
+                      f"{row_flat} + {ii}, {count});")
         self.loops(outer, body)
 
     def op_elementwise(self, op):
         v, kind = op.result, op.kind
         ops = op.operands
+        if v is not None and v.id in self.inlined:
+            return  # computed in its consumer (Note [kl elementwise fusion])
         if self._vectorisable(op):
             self.op_vector(op)
             return
