@@ -1,6 +1,5 @@
 """Helpers shared by the kl tests (tests/test_kl_*.py)."""
 
-import inspect
 import os
 
 import pytest
@@ -32,4 +31,4 @@ def private_kernel_cache(tmp_path_factory):
         os.environ["KILN_KERNELS_CACHE_DIR"] = old
 
 
-__all__ = ["inspect", "line_of", "private_kernel_cache", "where"]
+__all__ = ["line_of", "private_kernel_cache", "where"]

@@ -631,6 +631,14 @@ class _Emitter:
         self.line("  }")
         self.line("}")
 
+    @staticmethod
+    def _element_literal(value, dtype) -> str:
+        """A number (None: the fill of uninitialised elements, NaN or 0) as a
+        C++ value of CTYPE[dtype]."""
+        if value is None:
+            value = float("nan") if dtype.is_floating_point else 0
+        return convert(literal(value, dtype), torch.float32 if dtype in _HALF else dtype, dtype)
+
     def _access(self, op, kind):
         x, mask, third, *index = op.operands
         shape = op.result.shape if op.result is not None else op.attrs["shape"]
@@ -641,16 +649,8 @@ class _Emitter:
             cond = self.elem(mask, idx) if mask is not None else None
             if kind == "load":
                 r = self.fresh("x")
-                if third is None:
-                    other = literal(float("nan") if spec_dtype.is_floating_point else 0,
-                                    spec_dtype)
-                    other = convert(other, torch.float32 if spec_dtype in _HALF else spec_dtype,
-                                    spec_dtype)
-                elif isinstance(third, ir.Value):
-                    other = self.elem(third, idx)
-                else:
-                    other = convert(literal(third, spec_dtype), torch.float32
-                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                other = self.elem(third, idx) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
                 self.line(f"{ct} {r} = {other};")
             if cond is not None:
                 self.line(f"if ({cond}) {{")
@@ -670,11 +670,8 @@ class _Emitter:
             if kind == "load":
                 self.line(f"{r} = {address};")
             else:
-                if isinstance(third, ir.Value):
-                    value = self.elem(third, idx)
-                else:
-                    value = convert(literal(third, spec_dtype), torch.float32
-                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                value = self.elem(third, idx) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
                 self.line(f"{address} = {value};")
             if cond is not None:
                 self.indent -= 1
@@ -769,21 +766,11 @@ class _Emitter:
                 v = op.result
                 target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
                     f"{v.name}[{inner}]"
-                if third is None:
-                    other = convert(literal(float("nan") if spec_dtype.is_floating_point else 0,
-                                            spec_dtype), torch.float32 if spec_dtype in _HALF
-                                    else spec_dtype, spec_dtype)
-                elif isinstance(third, ir.Value):
-                    other = self.elem(third, idx + [inner])
-                else:
-                    other = convert(literal(third, spec_dtype), torch.float32
-                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                other = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
             else:
-                if isinstance(third, ir.Value):
-                    value = self.elem(third, idx + [inner])
-                else:
-                    value = convert(literal(third, spec_dtype), torch.float32
-                                    if spec_dtype in _HALF else spec_dtype, spec_dtype)
+                value = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
             if kind == "load":
                 if third is None or not isinstance(third, ir.Value):
                     scalar_other = other
