@@ -1,4 +1,4 @@
-"""Custom kiln kernels (issue 13), each next to the eager composite it
+"""Custom kiln kernels (issues 13 and 14), each next to the eager composite it
 replaces, in one interleaved run (harness.py).
 
 For each example kernel of examples/kernels/ (forward passes and one AdamW
@@ -9,6 +9,15 @@ step, float32):
     ratio <= 0.667).
   * fused kernel vs the CPU composite: the CPU column is PyTorch's CPU
     composite, the kiln column the fused kiln kernel; no target.
+
+For the kernels written in the kl tile language (examples/kernels/kl_*.py,
+issue 14), same layout: RMSNorm and softmax against the eager kiln composite
+(target >= 2x faster, ratio <= 0.5) and against the part-1 C++ kernel /
+torch.softmax (no target); causal attention at sequence 1024 against eager
+scaled_dot_product_attention on kiln (target >= 1.5x, ratio <= 0.667). And
+the time of a kl kernel's first call: cold (trace, lower, g++ build into an
+empty cache) and cached (trace, lower, load from the disk cache), in the
+kiln column.
 """
 
 from __future__ import annotations
@@ -76,4 +85,89 @@ def throughput(quick: bool) -> list[Row]:
                        noise=max(spread(samples["fused"]), spread(samples["cpu composite"])),
                        note=note))
         sync(KILN)
+    out += _kl_throughput(calls, repetitions)
+    out += _kl_compile_time()
     return out
+
+
+def _kl_cases():
+    sys.path.insert(0, REPO)
+    from examples.kernels import kl_attention, kl_rms_norm, kl_softmax, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 4096, 1024
+    x, w = torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
+    qkv = [torch.randn(1, 4, 1024, 64, generator=g) for _ in range(3)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return [
+        (f"kl RMSNorm {rows}x{cols}", (x, w), lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6),
+         "eager kiln composite",
+         lambda x, w: torch.nn.functional.rms_norm(x, (cols,), w, 1e-6), 0.5,
+         "part-1 C++ kernel", lambda x, w: rms_norm.rms_norm(x, w, 1e-6)),
+        (f"kl softmax {rows}x{cols}", (x,), kl_softmax.softmax, "eager kiln composite",
+         kl_softmax.composite, 0.5, "torch.softmax", lambda x: torch.softmax(x, -1)),
+        ("kl causal attention (1, 4, 1024, 64)", qkv, kl_attention.causal_attention,
+         "eager kiln SDPA", lambda q, k, v: sdpa(q, k, v, is_causal=True), 0.667, None, None),
+    ]
+
+
+def _kl_throughput(calls: int, repetitions: int) -> list[Row]:
+    out: list[Row] = []
+    for name, args, kernel, base_name, base, limit, other_name, other in _kl_cases():
+        kiln_args = [a.to(KILN) for a in args]
+        with torch.no_grad():
+            reps = {
+                "kl": timed(KILN, lambda: [kernel(*kiln_args) for _ in range(calls)], calls),
+                "base": timed(KILN, lambda: [base(*kiln_args) for _ in range(calls)], calls),
+            }
+            if other is not None:
+                reps["other"] = timed(KILN, lambda: [other(*kiln_args) for _ in range(calls)],
+                                      calls)
+            samples = interleaved(reps, repetitions, warmup=1)
+        ms = {k: median(v) * 1e3 for k, v in samples.items()}
+        note = f"{calls} calls x {repetitions} reps, float32, no_grad; CPU column = the {base_name}"
+        out.append(Row("kernels", f"{name}: kl kernel vs {base_name}", "ms", ms["base"],
+                       ms["kl"], target=Target("ratio<=", limit),
+                       noise=max(spread(samples["kl"]), spread(samples["base"])), note=note))
+        if other is not None:
+            out.append(Row("kernels", f"{name}: kl kernel vs {other_name}", "ms", ms["other"],
+                           ms["kl"], noise=max(spread(samples["kl"]), spread(samples["other"])),
+                           note=f"{calls} calls x {repetitions} reps; CPU column = the "
+                                f"{other_name} on kiln"))
+        sync(KILN)
+    return out
+
+
+def _kl_compile_time() -> list[Row]:
+    """First-call time of a fresh kl kernel object: cold (empty disk cache)
+    and cached (the library on disk)."""
+    import tempfile
+    import time
+
+    import torch_kiln.kl as kl
+    from examples.kernels import kl_softmax
+
+    x = torch.randn(64, 1024, device=KILN)
+    out = torch.empty_like(x)
+    old = os.environ.get("KILN_KERNELS_CACHE_DIR")
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["KILN_KERNELS_CACHE_DIR"] = cache
+        try:
+            times = {}
+            for kind in ("cold", "cached"):
+                kernel = kl.jit(kl_softmax.softmax_kernel.fn)  # a new object: nothing in memory
+                start = time.perf_counter()
+                kernel[(16,)](out, x, 64, 1024, ROWS=4, BLOCK=1024)
+                sync(KILN)
+                times[kind] = (time.perf_counter() - start) * 1e3
+        finally:
+            if old is None:
+                os.environ.pop("KILN_KERNELS_CACHE_DIR", None)
+            else:
+                os.environ["KILN_KERNELS_CACHE_DIR"] = old
+    for kind, note in (("cold", "trace + lower + g++ build into an empty cache"),
+                       ("cached", "trace + lower + load from the disk cache")):
+        rows.append(Row("kernels", f"kl softmax first call, {kind}", "ms", None, times[kind],
+                        note=note + "; one sample"))
+    return rows

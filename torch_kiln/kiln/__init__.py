@@ -208,13 +208,23 @@ class _KilnDeviceProperties:
     ``name`` (str), ``total_memory`` (bytes, ``KILN_DEVICE_MEMORY``),
     ``multi_processor_count`` (host cores its kernels may use), and ``major``
     and ``minor`` (1 and 0: kiln has no compute capability levels, see
-    ``get_device_capability``)."""
+    ``get_device_capability``); and the device's tile model, which kl kernels
+    are checked against (torch_kiln/kl/tile_model.py): ``tile_max_partition_dim``
+    (largest leading tile dimension), ``tile_partitions``,
+    ``tile_scratch_bytes_per_partition`` (on-chip scratch per partition, bytes)
+    and ``tile_dtypes`` (tuple of torch.dtype)."""
 
     def __init__(self, name: str, total_memory: int, multi_processor_count: int):
+        from torch_kiln.kl import tile_model
+
         self.name = name
         self.total_memory = total_memory
         self.multi_processor_count = multi_processor_count
         self.major, self.minor = _CAPABILITY
+        self.tile_max_partition_dim = tile_model.MAX_PARTITION_DIM
+        self.tile_partitions = tile_model.PARTITIONS
+        self.tile_scratch_bytes_per_partition = tile_model.SCRATCH_BYTES_PER_PARTITION
+        self.tile_dtypes = tile_model.DTYPES
 
     def __repr__(self) -> str:
         return (

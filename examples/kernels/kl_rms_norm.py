@@ -1,0 +1,46 @@
+"""RMSNorm in the kl tile language: y = x / sqrt(mean(x**2, -1) + eps) * weight
+over the last dim of a (rows, features) float32 or bfloat16 input, as
+torch.nn.functional.rms_norm(x, (features,), weight, eps).
+
+One program normalises ROWS rows (a (ROWS, BLOCK) tile, BLOCK >= features,
+masked at the ragged edge); sums and products in float32, the result rounded
+to x's dtype once at the store.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import torch_kiln.kl as kl
+
+
+@kl.jit
+def rms_norm_kernel(out, x, weight, n_rows, n_cols, eps, ROWS: kl.constexpr,
+                    BLOCK: kl.constexpr):
+    rows = kl.program_id(0) * ROWS + kl.arange(0, ROWS)
+    cols = kl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    v = kl.load(x, (rows[:, None], cols[None, :]), mask=mask, other=0.0).to(kl.float32)
+    rstd = kl.rsqrt(kl.sum(v * v, axis=1) / n_cols + eps)
+    w = kl.load(weight, cols, mask=cols < n_cols, other=0.0).to(kl.float32)
+    kl.store(out, (rows[:, None], cols[None, :]), v * rstd[:, None] * w[None, :], mask=mask)
+
+
+def block_for(n_cols: int) -> int:
+    """The smallest power of two >= n_cols (a tile's width)."""
+    return 1 << max(0, (n_cols - 1).bit_length())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             rows_per_program: int = 4) -> torch.Tensor:
+    """RMSNorm of a 2-D x (rows, features) with weight (features,), same dtype as x."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    rms_norm_kernel[(kl.cdiv(rows, rows_per_program),)](
+        out, x, weight, rows, cols, eps, ROWS=rows_per_program, BLOCK=block_for(cols))
+    return out
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -1,0 +1,41 @@
+"""Numerically stable row softmax in the kl tile language, as
+torch.softmax(x, dim=-1) for a 2-D float32 or bfloat16 x.
+
+One program handles ROWS rows as a (ROWS, BLOCK) tile (BLOCK >= columns,
+masked loads fill -inf so padding adds exp(-inf) = 0): subtract the row
+maximum, exponentiate, divide by the row sum; in float32, rounded to x's
+dtype at the store. docs/kernels.md writes this kernel step by step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import torch_kiln.kl as kl
+
+
+@kl.jit
+def softmax_kernel(out, x, n_rows, n_cols, ROWS: kl.constexpr, BLOCK: kl.constexpr):
+    rows = kl.program_id(0) * ROWS + kl.arange(0, ROWS)
+    cols = kl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    v = kl.load(x, (rows[:, None], cols[None, :]), mask=mask, other=-float("inf"))
+    v = v.to(kl.float32)
+    e = kl.exp(v - kl.max(v, axis=1)[:, None])
+    kl.store(out, (rows[:, None], cols[None, :]), e / kl.sum(e, axis=1)[:, None], mask=mask)
+
+
+def softmax(x: torch.Tensor, rows_per_program: int = 4) -> torch.Tensor:
+    """Softmax over the last dim of a 2-D x, same dtype as x."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    block = 1 << max(0, (cols - 1).bit_length())
+    softmax_kernel[(kl.cdiv(rows, rows_per_program),)](out, x, rows, cols,
+                                                      ROWS=rows_per_program, BLOCK=block)
+    return out
+
+
+def composite(x: torch.Tensor) -> torch.Tensor:
+    """The eager composite this kernel replaces (what a user writes by hand)."""
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)

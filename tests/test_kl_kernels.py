@@ -1,0 +1,93 @@
+"""The kernels written in the kl tile language (examples/kernels/kl_*.py)
+against PyTorch, for float32 and bfloat16 inputs with ragged shapes:
+RMSNorm, row softmax, a tiled matmul with bias and activation, and causal
+flash attention (online softmax over key tiles); compiled on kiln:0 and
+kiln:1, simulated on the CPU, and the softmax under torch.compile.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from kl_helpers import private_kernel_cache  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from examples.kernels import kl_attention, kl_matmul, kl_rms_norm, kl_softmax  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+DEVICES = ["kiln:0", "kiln:1", "cpu"]  # cpu: the simulator
+
+
+@pytest.fixture(autouse=True)
+def _cache(private_kernel_cache):  # noqa: F811
+    yield
+
+
+def tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(device, dtype):
+    x, w = randn(37, 100, dtype=dtype), randn(100, dtype=dtype, seed=1)
+    out = kl_rms_norm.rms_norm(x.to(device), w.to(device), 1e-6)
+    assert out.dtype == dtype and out.device == torch.device(device)
+    torch.testing.assert_close(out.cpu(), kl_rms_norm.reference(x, w, 1e-6), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax(device, dtype):
+    x = randn(37, 100, dtype=dtype) * 5
+    out = kl_softmax.softmax(x.to(device))
+    torch.testing.assert_close(out.cpu(), torch.softmax(x, -1), **tol(dtype))
+    torch.testing.assert_close(kl_softmax.composite(x), torch.softmax(x, -1), **tol(dtype))
+
+
+def test_softmax_is_stable_for_large_inputs():
+    x = torch.tensor([[1000.0, 1000.0, -1000.0], [-1e30, 0.0, 1e30]], device="kiln")
+    out = kl_softmax.softmax(x).cpu()
+    torch.testing.assert_close(out, torch.softmax(x.cpu(), -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [kl_matmul.NONE, kl_matmul.RELU, kl_matmul.GELU_TANH])
+def test_matmul_bias_activation(device, dtype, activation):
+    a, b = randn(70, 50, dtype=dtype), randn(50, 90, dtype=dtype, seed=1)
+    bias = randn(90, dtype=dtype, seed=2)
+    out = kl_matmul.matmul_bias_act(a.to(device), b.to(device), bias.to(device), activation)
+    expected = kl_matmul.reference(a, b, bias, activation)
+    torch.testing.assert_close(out.cpu(), expected, **(tol(dtype) if dtype == torch.bfloat16
+                                                       else dict(rtol=1e-4, atol=1e-4)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_attention(device, dtype):
+    q, k, v = (randn(2, 3, 100, 16, dtype=dtype, seed=s) for s in range(3))
+    out = kl_attention.causal_attention(q.to(device), k.to(device), v.to(device), block=(32, 32))
+    torch.testing.assert_close(out.cpu(), kl_attention.reference(q, k, v),
+                               **(tol(dtype) if dtype == torch.bfloat16
+                                  else dict(rtol=1e-4, atol=1e-4)))
+
+
+def test_kernels_under_torch_compile(fresh_compile):
+    def f(x, w):
+        return kl_softmax.softmax(kl_rms_norm.rms_norm(x, w, 1e-6) * 2)
+
+    x, w = randn(37, 100, dtype=torch.float32), randn(100, dtype=torch.float32, seed=1)
+    xk, wk = x.to("kiln"), w.to("kiln")
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(xk, wk).cpu(), f(xk, wk).cpu())
+    expected = torch.softmax(kl_rms_norm.reference(x, w, 1e-6) * 2, -1)
+    torch.testing.assert_close(compiled(xk, wk).cpu(), expected, rtol=1e-5, atol=1e-5)

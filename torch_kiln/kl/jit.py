@@ -1,0 +1,361 @@
+"""``@kl.jit``: a kl kernel as a launchable, compiled, registered operator.
+
+``kernel = kl.jit(fn)`` reads ``fn``'s parameters: ``p: kl.constexpr`` ones
+are compile-time constants; a parameter the body passes to kl.load /
+kl.store (or whose ``.shape`` / ``.stride`` it reads) is a tensor, written
+if it is kl.store's first argument; the rest are scalars (int or float).
+It defines the operator ``torch.ops.kl.<name>`` (a torch.library custom op:
+the written tensors are mutated arguments, no returns) with a kiln
+implementation, a CPU implementation (the simulator) and a fake one (it
+allocates nothing: kernels write tensors they are given), so a launch
+works in eager code and as one node under ``torch.compile``.
+
+``kernel[grid](*args, **kwargs)`` (Triton's form; ``grid`` a tuple of up to
+3 ints or a function of the arguments by name returning one) calls that
+operator. Its kiln implementation specialises the kernel on the tensors'
+dtypes and ranks, the scalars' kinds and the constexpr values, traces it
+(tracer.py: tile-model checks), lowers it to C++ (lowering.py) and builds
+and launches it through part 1 (torch_kiln.kernels.load_inline: the disk
+cache keyed by the generated source and the flags; the launch is a task on
+the current kiln stream of the tensors' device). Each specialisation is
+traced and built once per process (and once per machine on disk). With
+``simulate=True`` or ``KILN_KL_SIMULATE=1`` the kiln implementation runs
+the simulator instead (tensors copied to the CPU and the written ones back).
+
+Errors at the call: a wrong argument count or name (TypeError), a tensor
+where a scalar is expected or the reverse (TypeError), a tensor of a dtype
+the tile model does not support (TypeError), tensors on different devices
+(RuntimeError), a bad grid (ValueError), each naming the kernel and the
+argument.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+import numbers
+import os
+import textwrap
+import threading
+
+import torch
+
+from torch_kiln.kl import ir, lowering, tile_model, tracer
+from torch_kiln.kl.errors import KernelError
+from torch_kiln.kl.language import constexpr
+
+_LIBRARY = None
+_NAMES: set[str] = set()
+_LOCK = threading.Lock()
+_COMPILE_STATS = {"traces": 0, "libraries_loaded": 0}  # per process, for tests
+# Appended to part 1's flags (-O3 ...): -O2 with the vectoriser's dynamic cost
+# model vectorises the same row loops; -O3 takes about 5x longer to build a
+# generated kernel (hundreds of small loops) for no measured gain.
+CFLAGS = ("-O2", "-fvect-cost-model=dynamic")
+
+
+def _kl_library():
+    global _LIBRARY
+    if _LIBRARY is None:
+        _LIBRARY = torch.library.Library("kl", "FRAGMENT")
+    return _LIBRARY
+
+
+def _is_constexpr(annotation) -> bool:
+    if annotation is constexpr:
+        return True
+    return isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr"
+
+
+def _analyse(fn) -> tuple[set[str], set[str]]:
+    """(tensor params, written params) from fn's source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        raise TypeError(f"kl.jit: the source of {fn.__qualname__} is not available (kl reads it "
+                        "to find the tensor parameters); define kernels in a file") from None
+    tree = ast.parse(source)
+    params = set(inspect.signature(fn).parameters)
+    tensors, written = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            name = node.args[0].id
+            if fname in ("load", "store") and name in params:
+                tensors.add(name)
+                if fname == "store":
+                    written.add(name)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.attr in ("shape", "stride", "ndim") and node.value.id in params:
+            tensors.add(node.value.id)
+    return tensors, written
+
+
+class JITFunction:
+    """A kl kernel; launch with ``kernel[grid](*args)``. ``op`` is its
+    torch.library operator; ``source(*args, grid=...)`` the generated C++
+    for those arguments (for reading and debugging)."""
+
+    def __init__(self, fn, simulate: bool = False):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.simulate = simulate
+        signature = inspect.signature(fn)
+        tensors, written = _analyse(fn)
+        self.params: list[ir.Param] = []
+        self.defaults = {}
+        for name, p in signature.parameters.items():
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                raise TypeError(f"kl.jit {fn.__name__}: parameter '{name}' must be a plain "
+                                "positional parameter (no *args, **kwargs, keyword-only)")
+            if _is_constexpr(p.annotation):
+                kind = "constexpr"
+            elif name in tensors:
+                kind = "tensor"
+            else:
+                kind = "scalar"
+            self.params.append(ir.Param(name, kind, name in written))
+            if p.default is not p.empty:
+                self.defaults[name] = p.default
+        self._specs: dict = {}
+        self._spec_lock = threading.Lock()
+        self.name = self._register()
+
+    def __repr__(self) -> str:
+        return f"<kl kernel {self.fn.__qualname__} (torch.ops.kl.{self.name})>"
+
+    # ------------------------------------------------------------ operator
+    def _register(self) -> str:
+        with _LOCK:
+            base = self.fn.__name__
+            name = base
+            for k in itertools.count(1):
+                if name not in _NAMES:
+                    break
+                name = f"{base}_{k}"
+            _NAMES.add(name)
+        parts, aliases = [], iter("abcdefghijklmnopqrstuvwxyz" * 4)
+        for p in self.params:
+            if p.kind == "tensor":
+                parts.append(f"Tensor({next(aliases)}!) {p.name}" if p.written
+                             else f"Tensor {p.name}")
+            else:
+                parts.append(f"Scalar {p.name}")
+        parts += ["SymInt kl_grid0", "SymInt kl_grid1", "SymInt kl_grid2"]
+        lib = _kl_library()
+        lib.define(f"{name}({', '.join(parts)}) -> ()")
+        lib.impl(name, self._kiln_impl, "PrivateUse1")
+        lib.impl(name, self._cpu_impl, "CPU")
+        torch.library.register_fake(f"kl::{name}", lambda *args: None, lib=lib)
+        self.op = getattr(torch.ops.kl, name).default
+        return name
+
+    def __getitem__(self, grid):
+        return _Launcher(self, grid)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"kl kernel {self.fn.__name__} is launched with a grid: "
+                        f"{self.fn.__name__}[grid](...), e.g. {self.fn.__name__}[(n,)](...)")
+
+    def _bind(self, args, kwargs) -> dict:
+        if len(args) > len(self.params):
+            raise TypeError(f"kl kernel {self.fn.__name__} takes {len(self.params)} arguments "
+                            f"({', '.join(p.name for p in self.params)}), got {len(args)}")
+        names = {p.name for p in self.params}
+        for k in kwargs:
+            if k not in names:
+                raise TypeError(f"kl kernel {self.fn.__name__}: unexpected argument '{k}'")
+        values = {}
+        for i, p in enumerate(self.params):
+            if i < len(args):
+                if p.name in kwargs:
+                    raise TypeError(f"kl kernel {self.fn.__name__}: argument '{p.name}' given "
+                                    "twice")
+                values[p.name] = args[i]
+            elif p.name in kwargs:
+                values[p.name] = kwargs[p.name]
+            elif p.name in self.defaults:
+                values[p.name] = self.defaults[p.name]
+            else:
+                raise TypeError(f"kl kernel {self.fn.__name__}: missing argument '{p.name}' "
+                                f"(takes {', '.join(p.name for p in self.params)})")
+        return values
+
+    def _check_kinds(self, values) -> None:
+        """Tensors for tensor parameters, numbers for the others (checked
+        before the operator call, whose schema would reject them with a
+        message that does not name the kernel)."""
+        where = f"kl kernel {self.fn.__name__}"
+        for p in self.params:
+            v = values[p.name]
+            if p.kind == "tensor" and not isinstance(v, torch.Tensor):
+                raise TypeError(f"{where}: argument '{p.name}' must be a tensor (the kernel "
+                                f"loads or stores it), got {type(v).__name__}")
+            if p.kind == "scalar" and (isinstance(v, (torch.Tensor, bool)) or
+                                       not isinstance(v, numbers.Real)):
+                raise TypeError(f"{where}: argument '{p.name}' must be an int or float scalar "
+                                f"(the kernel does not kl.load it), got {type(v).__name__}")
+            if p.kind == "constexpr" and not isinstance(v, (bool, int, float)):
+                raise TypeError(f"{where}: kl.constexpr argument '{p.name}' must be a Python "
+                                f"int, float or bool, got {type(v).__name__}")
+
+    def _launch(self, grid, args, kwargs):
+        values = self._bind(args, kwargs)
+        self._check_kinds(values)
+        if callable(grid):
+            grid = grid(values)
+        if not isinstance(grid, (tuple, list)):
+            grid = (grid,)
+        if not 1 <= len(grid) <= 3:
+            raise ValueError(f"kl kernel {self.fn.__name__}: the grid has {len(grid)} dims; "
+                             "give 1 to 3")
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.op(*[values[p.name] for p in self.params], *grid)
+
+    # ------------------------------------------------------------ impls
+    def _unflatten(self, flat):
+        n = len(self.params)
+        values = dict(zip((p.name for p in self.params), flat[:n]))
+        grid = tuple(flat[n:n + 3])
+        for g in grid:
+            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
+                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
+                                 "non-negative ints")
+        return values, tuple(int(g) for g in grid)
+
+    def _spec(self, values):
+        tensor_specs, scalar_kinds, constexprs = {}, {}, {}
+        where = f"kl kernel {self.fn.__name__}"
+        for p in self.params:
+            v = values[p.name]
+            if p.kind == "tensor":
+                if not isinstance(v, torch.Tensor):
+                    raise TypeError(f"{where}: argument '{p.name}' must be a tensor (the kernel "
+                                    f"loads or stores it), got {type(v).__name__}")
+                if v.dtype not in tile_model.DTYPES:
+                    raise TypeError(f"{where}: argument '{p.name}' is a "
+                                    f"{tile_model.dtype_name(v.dtype)} tensor; the kiln tile "
+                                    f"model supports {tile_model.supported_dtype_names()}")
+                if v.layout != torch.strided:
+                    raise TypeError(f"{where}: argument '{p.name}' has layout {v.layout}; kl "
+                                    "kernels take strided tensors")
+                tensor_specs[p.name] = (v.dtype, v.dim())
+            elif p.kind == "scalar":
+                if isinstance(v, torch.Tensor) or isinstance(v, bool) or \
+                        not isinstance(v, numbers.Real):
+                    raise TypeError(f"{where}: argument '{p.name}' must be an int or float "
+                                    f"scalar (the kernel does not kl.load it), got "
+                                    f"{type(v).__name__}")
+                scalar_kinds[p.name] = "int" if isinstance(v, numbers.Integral) else "float"
+            else:
+                if not isinstance(v, (bool, int, float)):
+                    raise TypeError(f"{where}: kl.constexpr argument '{p.name}' must be a "
+                                    f"Python int, float or bool, got {type(v).__name__}")
+                constexprs[p.name] = v
+        key = (tuple((k, v) for k, v in tensor_specs.items()), tuple(scalar_kinds.items()),
+               tuple((k, type(v).__name__, v) for k, v in constexprs.items()))
+        return key, tensor_specs, scalar_kinds, constexprs
+
+    def _devices(self, values):
+        devices = {values[p.name].device for p in self.params if p.kind == "tensor"}
+        if len(devices) > 1:
+            raise RuntimeError(f"kl kernel {self.fn.__name__}: expected all tensors on one "
+                               f"device, got {', '.join(sorted(map(str, devices)))}")
+        return devices.pop() if devices else None
+
+    def _specialisation(self, values):
+        key, tensor_specs, scalar_kinds, constexprs = self._spec(values)
+        with self._spec_lock:
+            entry = self._specs.get(key)
+            if entry is None:
+                trace = tracer.trace(self.fn, self.fn.__name__, self.params, tensor_specs,
+                                     scalar_kinds, constexprs)
+                _COMPILE_STATS["traces"] += 1
+                for name in trace.written:
+                    if not next(p for p in self.params if p.name == name).written:
+                        raise KernelError(f"kl kernel {self.fn.__name__!r}: stores to '{name}' "
+                                          f"through another name; write kl.store({name}, ...) "
+                                          "with the parameter itself so kl sees it is written")
+                entry = self._specs[key] = {"trace": trace, "kernel": None}
+            return entry
+
+    def _simulate(self, values, grid, entry):
+        from torch_kiln.kl import simulator
+
+        cpu_values, copies = dict(values), []
+        for p in self.params:
+            v = values[p.name]
+            if p.kind == "tensor" and v.device.type != "cpu":
+                cpu_values[p.name] = v.cpu()
+                if p.written:
+                    copies.append((v, cpu_values[p.name]))
+        simulator.simulate(self.fn, entry["trace"], cpu_values, grid)
+        for target, source in copies:
+            target.copy_(source)
+
+    def _cpu_impl(self, *flat):
+        values, grid = self._unflatten(flat)
+        self._devices(values)
+        entry = self._specialisation(values)
+        self._simulate(values, grid, entry)
+
+    def _kiln_impl(self, *flat):
+        values, grid = self._unflatten(flat)
+        device = self._devices(values)
+        if device is not None and device.type != "kiln":
+            raise RuntimeError(f"kl kernel {self.fn.__name__}: expected kiln tensors, got {device}")
+        entry = self._specialisation(values)
+        if self.simulate or os.environ.get("KILN_KL_SIMULATE", "0") not in ("", "0"):
+            self._simulate(values, grid, entry)
+            return
+        kernel = self._compiled(entry)
+        args = [values[p.name] for p in self.params if p.kind != "constexpr"]
+        kernel(*args, *grid)
+
+    def _compiled(self, entry):
+        if entry["kernel"] is None:
+            with self._spec_lock:
+                if entry["kernel"] is None:
+                    from torch_kiln import kernels
+
+                    # The C++ kernel is named after the Python function (not the
+                    # operator, which may carry a _1 suffix), so the generated
+                    # source, hence the disk cache key, depends only on the kernel.
+                    source, signature = lowering.lower(entry["trace"], self.fn.__name__)
+                    entry["source"] = source
+                    library = kernels.load_inline("kl", source, [signature], extra_cflags=CFLAGS)
+                    _COMPILE_STATS["libraries_loaded"] += 1
+                    entry["library"] = library
+                    entry["kernel"] = library.kernels[self.fn.__name__]
+        return entry["kernel"]
+
+    def source(self, *args, **kwargs) -> str:
+        """The generated C++ for a launch with these arguments."""
+        values = self._bind(args, kwargs)
+        entry = self._specialisation(values)
+        return lowering.lower(entry["trace"], self.fn.__name__)[0]
+
+
+class _Launcher:
+    def __init__(self, fn: JITFunction, grid):
+        self.fn = fn
+        self.grid = grid
+
+    def __call__(self, *args, **kwargs):
+        self.fn._launch(self.grid, args, kwargs)
+
+
+def jit(fn=None, *, simulate: bool = False):
+    """Decorator making ``fn`` a kl kernel (``@kl.jit`` or
+    ``@kl.jit(simulate=True)``); see the module docstring."""
+    if fn is None:
+        return lambda f: JITFunction(f, simulate=simulate)
+    return JITFunction(fn, simulate=simulate)
+
+
+def cdiv(a, b):
+    """Ceiling division, ``(a + b - 1) // b`` (for grids)."""
+    return (a + b - 1) // b

@@ -1,0 +1,973 @@
+"""Lowering a traced kl kernel (ir.Trace) to C++ on kiln/kernel.h.
+
+The generated source is one ``KILN_KERNEL``: it views the tensor arguments
+(``ctx.tensor<T, N>``), reads the scalar arguments and the grid, and runs
+the programs of the grid with ``ctx.parallel_for`` (the device's intra-op
+threads), each program one loop nest per operation in program order. Part
+1 (torch_kiln/kernels) compiles, caches and launches it: see jit.py.
+
+Storage: every tile with storage (tracer.needs_storage) gets a buffer in a
+per-thread arena allocated once per parallel_for chunk (heap, 64-byte
+aligned), pointers declared ``__restrict``; scalars are C++ locals. Index
+tiles with an affine form (ir.Value.affine) are computed where they are
+used, aliases (``t[:, None]``) read their base's buffer.
+
+Arithmetic: bfloat16 and float16 values compute in float and round to their
+type at each op (as PyTorch's CPU kernels do); float32 in float; integers in
+their type; integer ``//`` and ``%`` floor (torch) and fail on a zero
+divisor; maximum/minimum propagate NaN. Sums accumulate in float32 (int64
+for integers) over 8 interleaved partial sums. Loads and stores check every
+unmasked index against the tensor's size; a failure throws kiln::Error
+("kl kernel '<name>' at <file>:<line>: kl.load from 'x' ...: index i is out
+of bounds for dimension d of size n"), the stream's sticky error at the next
+synchronization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_kiln.kl import ir
+from torch_kiln.kl.tracer import needs_storage
+
+CTYPE = {torch.float32: "float", torch.bfloat16: "kiln::bfloat16", torch.float16: "kiln::half",
+         torch.int32: "int32_t", torch.int64: "int64_t", torch.bool: "bool"}
+SIG_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+             torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+_HALF = (torch.bfloat16, torch.float16)
+FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
+
+PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <memory>
+#include <string>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <kiln/kernel.h>
+
+namespace {
+using KlVec = at::vec::Vectorized<float>;
+template <typename T> inline T kl_maximum(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
+  return a > b ? a : b;
+}
+template <typename T> inline T kl_minimum(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
+  return a < b ? a : b;
+}
+template <typename T> inline T kl_floordiv(T a, T b, const char* where) {
+  KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  T q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+template <typename T> inline T kl_mod(T a, T b, const char* where) {
+  KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  T r = a % b;
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  return r;
+}
+// m ? a : b without a branch (bitwise, so loops of it vectorise).
+template <typename T> inline T kl_select(bool m, T a, T b) {
+  using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4,
+      uint32_t, std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
+  U ua, ub;
+  std::memcpy(&ua, &a, sizeof(T));
+  std::memcpy(&ub, &b, sizeof(T));
+  const U mask = U(0) - U(m);
+  const U r = (ua & mask) | (ub & ~mask);
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+// One row of a load linear in its inner index: out[i] = row[i * step] for
+// i in [lo, hi) where enabled (mask == nullptr: all; else mask[i]), other
+// elsewhere. [lo, hi) is in bounds (checked by the caller), so reads there
+// are unconditional and the loops vectorise.
+template <typename T>
+void kl_load_row(T* __restrict out, const T* row, int64_t step, int64_t lo, int64_t hi,
+                 int64_t n, const bool* mask, bool enabled, T other) {
+  if (!enabled) lo = hi = n;
+  for (int64_t i = 0; i < lo; ++i) out[i] = other;
+  for (int64_t i = hi; i < n; ++i) out[i] = other;
+  const bool every = mask == nullptr || hi <= lo ||
+                     std::memchr(mask + lo, 0, static_cast<size_t>(hi - lo)) == nullptr;
+  if (every) {
+    if (step == 1) {
+      for (int64_t i = lo; i < hi; ++i) out[i] = row[i];
+    } else {
+      for (int64_t i = lo; i < hi; ++i) out[i] = row[i * step];
+    }
+  } else if (step == 1) {
+    for (int64_t i = lo; i < hi; ++i) { const T t = row[i]; out[i] = kl_select<T>(mask[i], t, other); }
+  } else {
+    for (int64_t i = lo; i < hi; ++i) { const T t = row[i * step]; out[i] = kl_select<T>(mask[i], t, other); }
+  }
+}
+// One row of a store: row[i * step] = values ? values[i] : value for the
+// enabled i in [lo, hi) (in bounds, checked by the caller).
+template <typename T>
+void kl_store_row(T* row, int64_t step, int64_t lo, int64_t hi, const bool* mask, bool enabled,
+                  const T* __restrict values, T value) {
+  if (!enabled || hi <= lo) return;
+  const bool every = mask == nullptr ||
+                     std::memchr(mask + lo, 0, static_cast<size_t>(hi - lo)) == nullptr;
+  if (every) {
+    if (step == 1) {
+      if (values) { for (int64_t i = lo; i < hi; ++i) row[i] = values[i]; }
+      else { for (int64_t i = lo; i < hi; ++i) row[i] = value; }
+    } else {
+      for (int64_t i = lo; i < hi; ++i) row[i * step] = values ? values[i] : value;
+    }
+  } else {
+    for (int64_t i = lo; i < hi; ++i) if (mask[i]) row[i * step] = values ? values[i] : value;
+  }
+}
+// Narrows [*lo, *hi) to the i in [0, n) where 0 <= j0 + c * i < size.
+inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t* lo,
+                         int64_t* hi) {
+  int64_t a = 0, b = n;  // the i with j0 + c * i in [0, size)
+  if (c == 0) {
+    if (j0 < 0 || j0 >= size) b = 0;
+  } else if (c > 0) {
+    a = j0 >= 0 ? 0 : (-j0 + c - 1) / c;
+    b = size - j0 <= 0 ? 0 : (size - j0 + c - 1) / c;
+  } else {
+    const int64_t m = -c;  // j0 - m * i in [0, size)  <=>  i in ((j0 - size) / m, j0 / m]
+    a = j0 - size < 0 ? 0 : (j0 - size) / m + 1;
+    b = j0 < 0 ? 0 : j0 / m + 1;
+  }
+  *lo = std::max(*lo, std::min(a, n));
+  *hi = std::min(*hi, std::max<int64_t>(std::min(b, n), 0));
+  if (*hi < *lo) *hi = *lo;
+}
+[[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
+    const char* where, int64_t index, int dim, int64_t size) {
+  throw kiln::Error(std::string(where) + ": index " + std::to_string(index) +
+                    " is out of bounds for dimension " + std::to_string(dim) + " of size " +
+                    std::to_string(size) + "; mask the ragged edge with mask=");
+}
+} // namespace
+"""
+
+
+def compute_type(dtype) -> str:
+    return "float" if dtype in _HALF else CTYPE[dtype]
+
+
+def convert(expr: str, src, dst) -> str:
+    """C++ converting ``expr`` (of C++ type compute_type(src) or CTYPE[src])
+    to CTYPE[dst] (or its compute type: the same for non-half types)."""
+    if src == dst:
+        return expr
+    if src in _HALF:
+        expr = f"static_cast<float>({expr})"
+        src = torch.float32
+        if src == dst:
+            return expr
+    if dst in _HALF:
+        return f"{CTYPE[dst]}(static_cast<float>({expr}))"
+    return f"static_cast<{CTYPE[dst]}>({expr})"
+
+
+def to_compute(expr: str, src, dst) -> str:
+    """``expr`` of dtype src as the compute type of dst (float for halves)."""
+    target = torch.float32 if dst in _HALF else dst
+    return convert(expr, src, target)
+
+
+def literal(value, dtype) -> str:
+    ct = compute_type(dtype)
+    if isinstance(value, bool):
+        v = "true" if value else "false"
+    elif isinstance(value, float):
+        if math.isnan(value):
+            return f"std::numeric_limits<{ct}>::quiet_NaN()"
+        if math.isinf(value):
+            return f"{'-' if value < 0 else ''}std::numeric_limits<{ct}>::infinity()"
+        v = repr(value)
+    else:
+        v = f"INT64_C({value})"
+    return f"static_cast<{ct}>({v})"
+
+
+def cstring(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 32 <= ord(ch) < 127:
+            out.append(ch)
+        else:
+            out.append(f"\\x{ord(ch):02x}\"\"")
+    return '"' + "".join(out) + '"'
+
+
+def _strides(shape):
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return list(reversed(strides))
+
+
+class _Emitter:
+    def __init__(self, trace: ir.Trace, kernel_name: str):
+        self.trace = trace
+        self.kernel_name = kernel_name
+        self.lines: list[str] = []
+        self.indent = 0
+        self.buffers: dict[int, tuple[ir.Value, int]] = {}
+        self.arena = 0
+        self.scalars: list[ir.Value] = []
+        self.counter = 0
+        for op in ir.walk(trace.block):
+            v = op.result
+            if v is None:
+                continue
+            if v.shape == ():
+                self.scalars.append(v)
+            elif needs_storage(v):
+                self.buffers[v.id] = (v, self.arena)
+        self.defs = {op.result.id: op for op in ir.walk(trace.block) if op.result is not None}
+        self.inlined = self._choose_inlined() if FUSE_ELEMENTWISE else set()
+        for vid in self.inlined:
+            del self.buffers[vid]
+        for vid, (v, _) in list(self.buffers.items()):
+            self.buffers[vid] = (v, self.arena)
+            self.arena += (v.numel * v.dtype.itemsize + 63) // 64 * 64
+
+    def _choose_inlined(self) -> set[int]:
+        """Note [kl elementwise fusion]: a vectorisable float32 elementwise
+        tile used once, by a vectorisable elementwise op of the same shape
+        later in the same block with no kl.range loop in between, is not
+        stored: its expression is computed inside its consumer's vector loop
+        (one pass instead of two). Loop-carried tiles and tiles viewed by an
+        alias keep their buffers."""
+        uses: dict[int, int] = {}
+        consumer: dict[int, tuple] = {}
+        keep: set[int] = set()
+        placed: list[tuple] = []
+
+        def visit(block):
+            for pos, op in enumerate(block.ops):
+                for o in op.operands:
+                    if isinstance(o, ir.Value):
+                        uses[o.id] = uses.get(o.id, 0) + 1
+                        consumer[o.id] = (op, block, pos)
+                        if o.alias_of is not None:
+                            keep.add(o.alias_of.id)
+                if op.result is not None:
+                    placed.append((op, block, pos))
+                    if op.result.alias_of is not None:
+                        keep.add(op.result.alias_of.id)
+                if op.kind == "for":
+                    loop = op.attrs["loop"]
+                    for outer, inner in loop.carried:
+                        keep.update((outer.id, inner.id, (outer.alias_of or outer).id,
+                                     (inner.alias_of or inner).id))
+                    visit(loop.body)
+        visit(self.trace.block)
+        inlined: set[int] = set()
+        for op, block, pos in placed:
+            v = op.result
+            if v.id not in self.buffers or v.id in keep or uses.get(v.id) != 1:
+                continue
+            if not self._vectorisable(op):
+                continue
+            cop, cblock, cpos = consumer[v.id]
+            if cblock is not block or cop.result is None or cop.result.shape != v.shape:
+                continue
+            if not self._vectorisable(cop):
+                continue
+            if any(o.kind == "for" for o in block.ops[pos + 1:cpos]):
+                continue
+            inlined.add(v.id)
+        return inlined
+
+    def line(self, text: str) -> None:
+        self.lines.append("  " * self.indent + text)
+
+    def fresh(self, prefix="i") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def where(self, op: ir.Op, what: str) -> str:
+        filename, lineno = op.loc
+        return cstring(f"kl kernel {self.trace.name!r} at {filename}:{lineno}: {what}")
+
+    # ------------------------------------------------------------ elements
+    def elem(self, v, idx: list[str]) -> str:
+        """C++ for element ``idx`` (index expressions of the consumer's dims,
+        right-aligned) of operand ``v``, in CTYPE[v.dtype]."""
+        if not isinstance(v, ir.Value):
+            raise AssertionError(v)
+        if v.shape == ():
+            return v.name
+        pad = len(idx) - len(v.shape)
+        assert pad >= 0, (v.shape, idx)
+        if v.affine is not None:
+            base, coeffs = v.affine
+            terms = [base]
+            for d, (c, size) in enumerate(zip(coeffs, v.shape)):
+                if size == 1 or c == "0":
+                    continue
+                terms.append(idx[pad + d] if c == "1" else f"{c} * {idx[pad + d]}")
+            return "(" + " + ".join(terms) + ")"
+        base = v.alias_of or v
+        if base.shape == ():
+            return base.name
+        offset = []
+        for d, (size, stride) in enumerate(zip(v.shape, _strides(v.shape))):
+            if size == 1:
+                continue
+            offset.append(idx[pad + d] if stride == 1 else f"{idx[pad + d]} * {stride}")
+        return f"{base.name}[{' + '.join(offset) or '0'}]"
+
+    def operand(self, o, idx, dtype_of_compute) -> str:
+        """Operand ``o`` (Value or number) at idx, in the compute type of
+        ``dtype_of_compute``."""
+        if isinstance(o, ir.Value):
+            return to_compute(self.elem(o, idx), o.dtype, dtype_of_compute)
+        return literal(o, dtype_of_compute)
+
+    def loops(self, shape, body) -> None:
+        """Nested loops over ``shape``; ``body(idx, flat)`` emits the inner lines."""
+        idx = []
+        for size in shape:
+            i = self.fresh()
+            self.line(f"for (int64_t {i} = 0; {i} < {size}; ++{i}) {{")
+            self.indent += 1
+            idx.append(i)
+        strides = _strides(shape)
+        flat = " + ".join(i if s == 1 else f"{i} * {s}" for i, s in zip(idx, strides)) or "0"
+        body(idx, flat)
+        for _ in shape:
+            self.indent -= 1
+            self.line("}")
+
+    def assign(self, v: ir.Value, expr_fn, compute_dtype) -> None:
+        """v = expr elementwise; expr_fn(idx) gives C++ in compute_dtype's compute type."""
+        if v.shape == ():
+            self.line(f"{v.name} = {convert(expr_fn([]), compute_dtype, v.dtype)};")
+            return
+        if v.id not in self.buffers:
+            return  # computed where used (affine) or an alias
+        self.loops(v.shape, lambda idx, flat: self.line(
+            f"{v.name}[{flat}] = {convert(expr_fn(idx), compute_dtype, v.dtype)};"))
+
+    # ----------------------------------------------------------------- ops
+    def emit_block(self, block: ir.Block) -> None:
+        for op in block.ops:
+            handler = getattr(self, "op_" + op.kind, None)
+            if handler is not None:
+                handler(op)
+            else:
+                self.op_elementwise(op)
+
+    def op_tensor_size(self, op):
+        self.line(f"{op.result.name} = {op.operands[0]}_sizes[{op.attrs['dim']}];")
+
+    def op_tensor_stride(self, op):
+        self.line(f"{op.result.name} = {op.operands[0]}_strides[{op.attrs['dim']}];")
+
+    def op_scalar_arg(self, op):
+        self.line(f"{op.result.name} = s_{op.operands[0]};")
+
+    def op_program_id(self, op):
+        self.line(f"{op.result.name} = kl_pid{op.attrs['axis']};")
+
+    def op_num_programs(self, op):
+        self.line(f"{op.result.name} = kl_grid{op.attrs['axis']};")
+
+    def op_arange(self, op):
+        v = op.result
+        self.assign(v, lambda idx: f"(INT64_C({op.attrs['start']}) + {idx[0]})", torch.int64)
+
+    def op_full(self, op):
+        v = op.result
+        self.assign(v, lambda idx: literal(op.attrs["value"], v.dtype), v.dtype)
+
+    def op_expand_dims(self, op):
+        v, src = op.result, op.operands[0]
+        inserted = op.attrs["inserted"]
+        self.assign(v, lambda idx: self.elem(src, [i for d, i in enumerate(idx)
+                                                   if d not in inserted]), src.dtype)
+
+    def op_broadcast(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
+
+    def op_cast(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
+
+    def op_transpose(self, op):
+        v, src = op.result, op.operands[0]
+        self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
+
+    # Vectorised float32 elementwise ops (at::vec::Vectorized<float>, the
+    # SIMD math PyTorch's CPU kernels use): the innermost dim runs in vector
+    # steps when every operand is a float32 tile with storage whose innermost
+    # dim matches the result's or is broadcast (size 1), a float32 scalar or
+    # a number.
+    _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+                   "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
+                   "minimum": "at::vec::minimum({a}, {b})"}
+    _VEC_UNARY = {"exp": "{a}.exp()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
+                  "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
+                  "floor": "{a}.floor()", "abs": "{a}.abs()",
+                  "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
+
+    def _vectorisable(self, op) -> bool:
+        v = op.result
+        if v.dtype != torch.float32 or v.shape == () or v.id not in self.buffers:
+            return False
+        if op.kind in self._VEC_BINARY:
+            if op.attrs.get("common") != torch.float32:
+                return False
+        elif op.kind not in self._VEC_UNARY:
+            return False
+        for o in op.operands:
+            if isinstance(o, ir.Value):
+                if o.dtype != torch.float32 or o.affine is not None:
+                    return False
+                if o.shape == () or (o.alias_of is not None and o.alias_of.shape == ()):
+                    continue
+                if len(o.shape) > len(v.shape):
+                    return False
+            elif isinstance(o, bool) or not isinstance(o, (int, float)):
+                return False
+        return True
+
+    def _vec_expr(self, op, full, count) -> str:
+        """The at::vec expression of vectorisable ``op`` at index ``full``
+        (the last index a vector step); ``count``: the elements left in a
+        tail step (partial loads), or None."""
+        def operand(o):
+            if not isinstance(o, ir.Value):
+                return f"KlVec({literal(o, torch.float32)})"
+            if o.id in self.inlined:  # Note [kl elementwise fusion]
+                return self._vec_expr(self.defs[o.id], full, count)
+            if o.shape == () or o.shape[-1] == 1 or (o.alias_of is not None and
+                                                     o.alias_of.shape == ()):
+                return f"KlVec({self.elem(o, full)})"
+            if count is not None:
+                return f"KlVec::loadu(&{self.elem(o, full)}, {count})"
+            return f"KlVec::loadu(&{self.elem(o, full)})"
+        if op.kind in self._VEC_BINARY:
+            a, b = op.operands
+            return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
+        return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
+
+    def op_vector(self, op):
+        v = op.result
+        n = v.shape[-1]
+        outer = list(v.shape[:-1])
+
+        def body(idx, flat):
+            ii = self.fresh("c")
+            full = idx + [ii]
+            row_flat = f"{flat} * {n}" if outer else "0"
+            count = f"({n} - {ii})"
+            self.line(f"int64_t {ii} = 0;")
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
+                      f"{self._vec_expr(op, full, None)}.store({v.name} + {row_flat} + {ii});")
+            # the tail: partial loads and stores (KlVec::loadu(p, count)), so
+            # it rounds like the body
+            self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({v.name} + "
+                      f"{row_flat} + {ii}, {count});")
+        self.loops(outer, body)
+
+    def op_elementwise(self, op):
+        v, kind = op.result, op.kind
+        ops = op.operands
+        if v is not None and v.id in self.inlined:
+            return  # computed in its consumer (Note [kl elementwise fusion])
+        if self._vectorisable(op):
+            self.op_vector(op)
+            return
+        if kind == "where":
+            c, a, b = ops
+            self.assign(v, lambda idx: f"({self.elem(c, idx)} ? {self.operand(a, idx, v.dtype)} "
+                                       f": {self.operand(b, idx, v.dtype)})", v.dtype)
+            return
+        if kind in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor", "abs",
+                    "invert"):
+            x = ops[0]
+            ct = compute_type(v.dtype)
+
+            def unary(idx):
+                a = self.operand(x, idx, v.dtype)
+                if kind == "rsqrt":
+                    return f"({ct}(1) / std::sqrt({a}))"
+                if kind == "sigmoid":
+                    return f"({ct}(1) / ({ct}(1) + std::exp(-{a})))"
+                if kind == "abs":
+                    return f"std::abs({a})" if v.dtype.is_floating_point else \
+                        f"({a} < 0 ? -{a} : {a})"
+                if kind == "invert":
+                    return f"(!{a})" if v.dtype == torch.bool else f"(~{a})"
+                return f"std::{kind}({a})"
+            self.assign(v, unary, v.dtype)
+            return
+        common = op.attrs["common"]
+        a, b = ops
+        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">",
+               "ge": ">=", "eq": "==", "ne": "!="}
+        bool_sym = {"and": "&", "or": "|", "xor": "!="}  # no short-circuit: vectorises
+        int_sym = {"and": "&", "or": "|", "xor": "^"}
+        where = self.where(op, "kl '" + kind + "'")
+
+        def binary(idx):
+            x, y = self.operand(a, idx, common), self.operand(b, idx, common)
+            if kind in sym:
+                return f"({x} {sym[kind]} {y})"
+            if kind in bool_sym:
+                return f"({x} {(bool_sym if common == torch.bool else int_sym)[kind]} {y})"
+            if kind in ("maximum", "minimum"):
+                return f"kl_{kind}<{compute_type(common)}>({x}, {y})"
+            return f"kl_{kind}<{compute_type(common)}>({x}, {y}, {where})"
+        result_compute = torch.bool if kind in ("lt", "le", "gt", "ge", "eq", "ne") else common
+        self.assign(v, binary, result_compute)
+
+    def op_sum(self, op):
+        self.reduce(op)
+
+    op_max = op_min = op_sum
+
+    def reduce(self, op):
+        v, x = op.result, op.operands[0]
+        axis, kind = op.attrs["axis"], op.kind
+        if kind == "sum":
+            acc_dtype = torch.float32 if x.dtype.is_floating_point else torch.int64
+        else:
+            acc_dtype = torch.float32 if x.dtype in _HALF else x.dtype
+        at = CTYPE[acc_dtype]
+        if kind == "sum":
+            init = f"{at}(0)"
+            combine = "({a} + {b})"
+        else:
+            if acc_dtype.is_floating_point:
+                init = f"{'-' if kind == 'max' else ''}std::numeric_limits<{at}>::infinity()"
+            else:
+                init = f"std::numeric_limits<{at}>::{'lowest' if kind == 'max' else 'max'}()"
+            combine = "kl_" + ("maximum" if kind == "max" else "minimum") + f"<{at}>({{a}}, {{b}})"
+        outer = [d for d in range(len(x.shape)) if d != axis]
+        n = x.shape[axis]
+        out_shape = [x.shape[d] for d in outer]
+
+        if (x.dtype == torch.float32 and axis == len(x.shape) - 1 and x.affine is None
+                and not (x.alias_of is not None and x.alias_of.shape == ())):
+            vcombine = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
+                        "min": "at::vec::minimum({a}, {b})"}[kind]
+
+            def vbody(idx, flat):
+                r = self.fresh("r")
+                vacc, lanes, total = self.fresh("vacc"), self.fresh("lanes"), self.fresh("total")
+                self.line(f"KlVec {vacc}({init});")
+                self.line(f"int64_t {r} = 0;")
+                self.line(f"for (; {r} + KlVec::size() <= {n}; {r} += KlVec::size()) {vacc} = "
+                          + vcombine.format(a=vacc, b=f"KlVec::loadu(&{self.elem(x, idx + [r])})")
+                          + ";")
+                self.line(f"float {lanes}[KlVec::size()];")
+                self.line(f"{vacc}.store({lanes});")
+                self.line(f"float {total} = {lanes}[0];")
+                self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
+                          + combine.format(a=total, b=f"{lanes}[l]") + ";")
+                self.line(f"for (; {r} < {n}; ++{r}) {total} = "
+                          + combine.format(a=total, b=self.elem(x, idx + [r])) + ";")
+                target = v.name if v.shape == () else f"{v.name}[{flat}]"
+                self.line(f"{target} = {convert(total, acc_dtype, v.dtype)};")
+            self.loops(out_shape, vbody)
+            return
+
+        def body(idx, flat):
+            def at_index(r):
+                full = list(idx)
+                full.insert(axis, r)
+                return to_compute(self.elem(x, full), x.dtype, acc_dtype)
+            lanes = self.fresh("lanes")
+            r = self.fresh("r")
+            self.line(f"{at} {lanes}[8];")
+            self.line(f"for (int l = 0; l < 8; ++l) {lanes}[l] = {init};")
+            self.line(f"int64_t {r} = 0;")
+            self.line(f"for (; {r} + 8 <= {n}; {r} += 8) {{")
+            self.line(f"  for (int l = 0; l < 8; ++l) {lanes}[l] = "
+                      + combine.format(a=f"{lanes}[l]", b=at_index(f"({r} + l)")) + ";")
+            self.line("}")
+            total = self.fresh("total")
+            self.line(f"{at} {total} = {lanes}[0];")
+            self.line(f"for (int l = 1; l < 8; ++l) {total} = "
+                      + combine.format(a=total, b=f"{lanes}[l]") + ";")
+            self.line(f"for (; {r} < {n}; ++{r}) {total} = "
+                      + combine.format(a=total, b=at_index(r)) + ";")
+            if v.shape == ():
+                self.line(f"{v.name} = {convert(total, acc_dtype, v.dtype)};")
+            else:
+                # keepdims only inserts a size-1 dim: the flat offset is the same
+                self.line(f"{v.name}[{flat}] = {convert(total, acc_dtype, v.dtype)};")
+        self.loops(out_shape, body)
+
+    def op_matmul(self, op):
+        v, (a, b) = op.result, op.operands
+        m, k = a.shape
+        n = b.shape[1]
+        i, j, kk = self.fresh(), self.fresh(), self.fresh()
+        self.line(f"for (int64_t {i} = 0; {i} < {m}; ++{i}) {{")
+        self.line(f"  float* __restrict kl_row = {v.name} + {i} * {n};")
+        self.line(f"  for (int64_t {j} = 0; {j} < {n}; ++{j}) kl_row[{j}] = 0.0f;")
+        self.line(f"  for (int64_t {kk} = 0; {kk} < {k}; ++{kk}) {{")
+        self.line(f"    const float kl_a = {to_compute(self.elem(a, [i, kk]), a.dtype, torch.float32)};")
+        self.line(f"    for (int64_t {j} = 0; {j} < {n}; ++{j}) kl_row[{j}] += kl_a * "
+                  f"{to_compute(self.elem(b, [kk, j]), b.dtype, torch.float32)};")
+        self.line("  }")
+        self.line("}")
+
+    @staticmethod
+    def _element_literal(value, dtype) -> str:
+        """A number (None: the fill of uninitialised elements, NaN or 0) as a
+        C++ value of CTYPE[dtype]."""
+        if value is None:
+            value = float("nan") if dtype.is_floating_point else 0
+        return convert(literal(value, dtype), torch.float32 if dtype in _HALF else dtype, dtype)
+
+    def _access(self, op, kind):
+        x, mask, third, *index = op.operands
+        shape = op.result.shape if op.result is not None else op.attrs["shape"]
+        spec_dtype = self.trace.tensor_specs[x][0]
+        ct = CTYPE[spec_dtype]
+
+        def body(idx, flat):
+            cond = self.elem(mask, idx) if mask is not None else None
+            if kind == "load":
+                r = self.fresh("x")
+                other = self.elem(third, idx) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
+                self.line(f"{ct} {r} = {other};")
+            if cond is not None:
+                self.line(f"if ({cond}) {{")
+                self.indent += 1
+            offs = []
+            for d, ix in enumerate(index):
+                j = self.fresh("j")
+                e = self.elem(ix, idx) if isinstance(ix, ir.Value) else f"INT64_C({ix})"
+                if isinstance(ix, ir.Value) and ix.dtype != torch.int64:
+                    e = f"static_cast<int64_t>({e})"
+                self.line(f"const int64_t {j} = {e};")
+                what = f"kl.{kind} {'from' if kind == 'load' else 'to'} '{x}'"
+                self.line(f"if (__builtin_expect({j} < 0 || {j} >= {x}_sizes[{d}], 0)) "
+                          f"kl_out_of_bounds({self.where(op, what)}, {j}, {d}, {x}_sizes[{d}]);")
+                offs.append(f"{j} * {x}_strides[{d}]")
+            address = f"{x}_data[{' + '.join(offs) or '0'}]"
+            if kind == "load":
+                self.line(f"{r} = {address};")
+            else:
+                value = self.elem(third, idx) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
+                self.line(f"{address} = {value};")
+            if cond is not None:
+                self.indent -= 1
+                self.line("}")
+            if kind == "load":
+                v = op.result
+                self.line(f"{v.name} = {r};" if v.shape == () else f"{v.name}[{flat}] = {r};")
+        self.loops(shape, body)
+
+    def _linear(self, ix, idx, inner):
+        """(index at inner = 0, coefficient of the inner loop variable) of
+        index operand ``ix`` at ``idx + [inner]``, or None if it is not
+        linear in the inner dim (a gathered index tile)."""
+        if not isinstance(ix, ir.Value):
+            return f"INT64_C({ix})", "0"
+        if ix.shape == () or ix.shape[-1] == 1:
+            return (self.elem(ix, idx + ["0"]) if ix.shape else ix.name), "0"
+        if ix.affine is None:
+            return None
+        base, coeffs = ix.affine
+        pad = len(idx) + 1 - len(ix.shape)
+        terms, inner_coeff = [base], "0"
+        for d, (c, size) in enumerate(zip(coeffs, ix.shape)):
+            if size == 1 or c == "0":
+                continue
+            if pad + d == len(idx):
+                inner_coeff = c
+            else:
+                terms.append(f"{c} * {idx[pad + d]}")
+        return "(" + " + ".join(terms) + ")", inner_coeff
+
+    def _access_rows(self, op, kind) -> bool:
+        """Loads/stores whose indices are linear in the innermost dim: per
+        row, the bounds are checked first (both ends without a mask, each
+        enabled element with one, in a loop without branches), then a loop
+        reads or writes ``row[i * step]`` (unit-step specialised), which
+        the compiler vectorises (masked with AVX-512)."""
+        x, mask, third, *index = op.operands
+        shape = op.result.shape if op.result is not None else op.attrs["shape"]
+        if not shape:
+            return False
+        spec_dtype = self.trace.tensor_specs[x][0]
+        ct = CTYPE[spec_dtype]
+        n = shape[-1]
+        what = f"kl.{kind} {'from' if kind == 'load' else 'to'} '{x}'"
+        where = self.where(op, what)
+        written = kind == "store"
+
+        def probe():
+            i = self.fresh("c")
+            return [self._linear(ix, [f"o{k}" for k in range(len(shape) - 1)], i) for ix in index]
+        if any(p is None for p in probe()):
+            return False
+
+        def body(idx, flat):
+            inner = self.fresh("c")
+            parts = [self._linear(ix, idx, inner) for ix in index]
+            js, cs = [], []
+            for d, (j0, c) in enumerate(parts):
+                j = self.fresh("j")
+                self.line(f"const int64_t {j} = {j0};")
+                js.append(j)
+                cs.append(c)
+            off = " + ".join(f"{j} * {x}_strides[{d}]" for d, j in enumerate(js)) or "0"
+            step = " + ".join(f"{c} * {x}_strides[{d}]" for d, c in enumerate(cs) if c != "0") \
+                or "0"
+            row = self.fresh("row")
+            stp = self.fresh("step")
+            self.line(f"const int64_t {stp} = {step};")
+            # bounds: the elements in [lo, hi) are inside x along every dim;
+            # an enabled element outside is an error (reported for the
+            # first one, with its index).
+            lo, hi = self.fresh("lo"), self.fresh("hi")
+            self.line(f"int64_t {lo} = 0, {hi} = {n};")
+            for d, (j, c) in enumerate(zip(js, cs)):
+                self.line(f"kl_in_bounds({j}, {c}, {x}_sizes[{d}], {n}, &{lo}, &{hi});")
+            enabled = "true" if mask is None else self.elem(mask, idx + [inner])
+            self.line(f"if (__builtin_expect({lo} > 0 || {hi} < {n}, 0)) {{")
+            self.line(f"  for (int64_t {inner} = 0; {inner} < {n}; ++{inner}) {{")
+            self.line(f"    if (({inner} >= {lo} && {inner} < {hi}) || !{enabled}) continue;")
+            for d, (j, c) in enumerate(zip(js, cs)):
+                e = f"({j} + {c} * {inner})"
+                self.line(f"    if (static_cast<uint64_t>{e} >= static_cast<uint64_t>"
+                          f"({x}_sizes[{d}])) kl_out_of_bounds({where}, {e}, {d}, "
+                          f"{x}_sizes[{d}]);")
+            self.line("  }")
+            self.line("}")
+            const = "" if written else "const "
+            self.line(f"{const}{ct}* __restrict {row} = {x}_data + ({off});")
+            target = None
+            if kind == "load":
+                v = op.result
+                target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
+                    f"{v.name}[{inner}]"
+                other = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
+            else:
+                value = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                    self._element_literal(third, spec_dtype)
+            if kind == "load":
+                if third is None or not isinstance(third, ir.Value):
+                    scalar_other = other
+                elif self._broadcast_row(third):
+                    scalar_other = self.elem(third, idx + ["0"])
+                else:
+                    scalar_other = None
+                if scalar_other is not None and self._row_helper(
+                        op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, scalar_other):
+                    return
+            elif self._row_helper(op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, value):
+                return
+            if kind == "load":
+                # outside [lo, hi) every element is masked off (checked above)
+                self.line(f"for (int64_t {inner} = 0; {inner} < {lo}; ++{inner}) "
+                          f"{target} = {other};")
+                self.line(f"for (int64_t {inner} = {hi}; {inner} < {n}; ++{inner}) "
+                          f"{target} = {other};")
+            every = None
+            if mask is not None:
+                # a row whose enabled elements are all of [lo, hi) (inside a
+                # ragged tile) takes the loop without the mask
+                every = self.fresh("every")
+                mshape = mask.shape
+                if not mshape or mshape[-1] == 1:
+                    self.line(f"const bool {every} = {self.elem(mask, idx + ['0'])};")
+                elif mask.affine is None and not (mask.alias_of is not None and
+                                                  mask.alias_of.shape == ()):
+                    # the row's mask bytes are contiguous: all true = no 0 byte
+                    self.line(f"const bool {every} = {hi} <= {lo} || std::memchr("
+                              f"&{self.elem(mask, idx + [lo])}, 0, {hi} - {lo}) == nullptr;")
+                else:
+                    count = self.fresh("enabled")
+                    self.line(f"int64_t {count} = 0;")
+                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
+                              f"{count} += {self.elem(mask, idx + [inner])};")
+                    self.line(f"const bool {every} = {count} == {hi} - {lo};")
+            for unit in (True, False):
+                address = f"{row}[{inner}]" if unit else f"{row}[{inner} * {stp}]"
+                for masked in ((False,) if mask is None else (False, True)):
+                    conds = ([f"{stp} == 1"] if unit else [f"{stp} != 1"])
+                    if mask is not None:
+                        conds.append(f"!{every}" if masked else every)
+                    self.line(f"if ({' && '.join(conds)}) {{")
+                    self.indent += 1
+                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) {{")
+                    self.indent += 1
+                    if kind == "load":
+                        if not masked:
+                            self.line(f"{target} = {address};")
+                        else:
+                            # in bounds: read unconditionally, then select
+                            t = self.fresh("t")
+                            self.line(f"const {ct} {t} = {address};")
+                            self.line(f"{target} = kl_select<{ct}>("
+                                      f"{self.elem(mask, idx + [inner])}, {t}, {other});")
+                    else:
+                        if not masked:
+                            self.line(f"{address} = {value};")
+                        else:
+                            self.line(f"if ({self.elem(mask, idx + [inner])}) {address} = "
+                                      f"{value};")
+                    self.indent -= 1
+                    self.line("}")
+                    self.indent -= 1
+                    self.line("}")
+        self.loops(list(shape[:-1]), body)
+        return True
+
+    @staticmethod
+    def _contiguous_row(v, n) -> bool:
+        """Whether tile ``v``'s innermost dim is a contiguous row of ``n`` in a buffer."""
+        return (isinstance(v, ir.Value) and bool(v.shape) and v.shape[-1] == n
+                and v.affine is None and not (v.alias_of is not None and v.alias_of.shape == ()))
+
+    @staticmethod
+    def _broadcast_row(v) -> bool:
+        return isinstance(v, ir.Value) and (not v.shape or v.shape[-1] == 1)
+
+    def _row_helper(self, op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, third) -> bool:
+        """A row through kl_load_row / kl_store_row when the mask (and the
+        stored value) are contiguous rows or broadcast along the row."""
+        x, mask, value = op.operands[0], op.operands[1], op.operands[2]
+        if mask is None:
+            mask_ptr, enabled = "nullptr", "true"
+        elif self._contiguous_row(mask, n):
+            mask_ptr, enabled = f"&{self.elem(mask, idx + ['0'])}", "true"
+        elif self._broadcast_row(mask):
+            mask_ptr, enabled = "nullptr", self.elem(mask, idx + ["0"])
+        else:
+            return False
+        if kind == "load":
+            v = op.result
+            out = f"{v.name} + {flat} * {n}" if len(v.shape) > 1 else v.name
+            self.line(f"kl_load_row<{ct}>({out}, {row}, {stp}, {lo}, {hi}, {n}, {mask_ptr}, "
+                      f"{enabled}, {third});")
+            return True
+        if self._contiguous_row(value, n):
+            values, scalar = f"&{self.elem(value, idx + ['0'])}", f"{ct}()"
+        elif self._broadcast_row(value):
+            values, scalar = "nullptr", self.elem(value, idx + ["0"])
+        elif not isinstance(value, ir.Value):
+            values, scalar = "nullptr", third
+        else:
+            return False
+        self.line(f"kl_store_row<{ct}>({row}, {stp}, {lo}, {hi}, {mask_ptr}, {enabled}, "
+                  f"{values}, {scalar});")
+        return True
+
+    def op_load(self, op):
+        if self._access_rows(op, "load"):
+            return
+        self._access(op, "load")
+
+    def op_store(self, op):
+        if self._access_rows(op, "store"):
+            return
+        self._access(op, "store")
+
+    def op_for(self, op):
+        loop: ir.Loop = op.attrs["loop"]
+        start, end = op.operands
+        s = start.name if isinstance(start, ir.Value) else f"INT64_C({start})"
+        e = end.name if isinstance(end, ir.Value) else f"INT64_C({end})"
+        var = loop.var.name
+        self.line(f"for (int64_t {var} = {s}; {var} < {e}; {var} += {op.attrs['step']}) {{")
+        self.indent += 1
+        self.emit_block(loop.body)
+        for outer, inner in loop.carried:
+            if outer.shape == ():
+                self.line(f"{outer.name} = {self.elem(inner, [])};")
+            else:
+                self.loops(outer.shape, lambda idx, flat: self.line(
+                    f"{(outer.alias_of or outer).name}[{flat}] = {self.elem(inner, idx)};"))
+        self.indent -= 1
+        self.line("}")
+
+
+def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
+    """(C++ source, part-1 signature) of the kernel ``kernel_name``."""
+    e = _Emitter(trace, kernel_name)
+    e.indent = 3
+    e.emit_block(trace.block)
+    program_lines = e.lines
+    out = [PRELUDE, f"// kl kernel {trace.name!r}: generated by torch_kiln.kl (lowering.py)",
+           f"KILN_KERNEL({kernel_name}) {{"]
+    sig = []
+    index = 0
+    for p in trace.params:
+        if p.kind == "tensor":
+            dtype, ndim = trace.tensor_specs[p.name]
+            written = p.name in trace.written
+            const = "" if written else "const "
+            out.append(f"  const auto {p.name}_view = ctx.tensor<{const}{CTYPE[dtype]}, {ndim}>"
+                       f"({index});")
+            out.append(f"  {const}{CTYPE[dtype]}* const {p.name}_data = {p.name}_view.data();")
+            out.append(f"  int64_t {p.name}_sizes[{max(ndim, 1)}] = {{0}};")
+            out.append(f"  int64_t {p.name}_strides[{max(ndim, 1)}] = {{0}};")
+            out.append(f"  for (int d = 0; d < {ndim}; ++d) {{ {p.name}_sizes[d] = "
+                       f"{p.name}_view.size(d); {p.name}_strides[d] = {p.name}_view.stride(d); }}")
+            sig.append(f"{SIG_DTYPE[dtype]}[{','.join('*' * ndim)}]{'!' if written else ''} "
+                       f"{p.name}")
+            index += 1
+        elif p.kind == "scalar":
+            if trace.scalar_kinds[p.name] == "int":
+                out.append(f"  const int64_t s_{p.name} = ctx.integer({index});")
+                sig.append(f"int {p.name}")
+            else:
+                out.append(f"  const float s_{p.name} = static_cast<float>(ctx.scalar({index}));")
+                sig.append(f"float {p.name}")
+            index += 1
+    for axis in range(3):
+        out.append(f"  const int64_t kl_grid{axis} = ctx.integer({index});")
+        sig.append(f"int kl_grid{axis}")
+        index += 1
+    out.append("  const int64_t kl_programs = kl_grid0 * kl_grid1 * kl_grid2;")
+    out.append("  ctx.parallel_for(0, kl_programs, 1, [&](int64_t kl_begin, int64_t kl_end) {")
+    if e.arena:
+        out.append(f"    std::unique_ptr<unsigned char[]> kl_arena_owner(new unsigned char"
+                   f"[{e.arena + 64}]);")
+        out.append("    unsigned char* kl_arena = reinterpret_cast<unsigned char*>((reinterpret_cast"
+                   "<uintptr_t>(kl_arena_owner.get()) + 63) & ~uintptr_t(63));")
+    for v, offset in e.buffers.values():
+        out.append(f"    {CTYPE[v.dtype]}* __restrict {v.name} = reinterpret_cast<"
+                   f"{CTYPE[v.dtype]}*>(kl_arena + {offset});")
+    out.append("    for (int64_t kl_program = kl_begin; kl_program < kl_end; ++kl_program) {")
+    out.append("      const int64_t kl_pid0 = kl_program % kl_grid0;")
+    out.append("      const int64_t kl_pid1 = (kl_program / kl_grid0) % kl_grid1;")
+    out.append("      const int64_t kl_pid2 = kl_program / (kl_grid0 * kl_grid1);")
+    out.append("      (void)kl_pid0; (void)kl_pid1; (void)kl_pid2;")
+    for v in e.scalars:
+        if v.id in e.buffers:
+            continue
+        out.append(f"      {CTYPE[v.dtype]} {v.name}{{}};")
+    out += program_lines
+    out.append("    }")
+    out.append("  });")
+    out.append("}")
+    signature = f"{kernel_name}({', '.join(sig)})"
+    return "\n".join(out) + "\n", signature
