@@ -12,6 +12,7 @@
 #include "aten/TensorAliases.h"
 #include "core/DeviceWarnings.h"
 #include "core/FailedResults.h"
+#include "core/KilnGraph.h"
 #include "core/KilnException.h"
 
 namespace at::kiln {
@@ -106,6 +107,7 @@ void KernelLaunch::clear() {
   output_count_ = 0;
   cleared_ = true;
   ran_ = false;
+  captured_ = false;
 }
 
 TensorDescriptor& KernelLaunch::nextDescriptor() {
@@ -445,7 +447,9 @@ kilnError_t KernelLaunch::runTask(void* self) {
 
 void KernelLaunch::releaseTask(void* self) {
   auto* record = static_cast<KernelLaunch*>(self);
-  if (!record->ran_) {
+  // A captured record is released when its graph is destroyed, replayed
+  // or not: that is no skip (Note [Kiln graphs]).
+  if (!record->ran_ && !record->captured_) {
     record->markWrittenAsFailed(
         record->info_->schema->name() + " was skipped after an earlier kernel on its stream failed" +
         (last_failure_on_thread.empty() ? std::string() : ": " + last_failure_on_thread));
@@ -466,6 +470,7 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
     propagateFailedResults();
   }
   threads_ = issuingThreadCount();
+  captured_ = C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   // On failure the runtime has already called releaseTask. With
   // KILN_LAUNCH_BLOCKING=1 a failed kernel fails its launch: raised here with
   // its own type (Note [Kernel errors keep their type]).

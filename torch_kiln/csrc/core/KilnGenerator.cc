@@ -8,6 +8,7 @@
 
 #include "core/KilnEvent.h"
 #include "core/KilnFunctions.h"
+#include "core/KilnGraph.h"
 
 namespace c10::kiln {
 
@@ -64,6 +65,10 @@ at::Generator KilnGeneratorImpl::engineForLaunch(const KilnStream& stream) {
     event.block(stream);
   }
   last_stream_ = stream;
+  if (C10_UNLIKELY(anyCaptureUnderway())) {
+    // Replays of the capture order this generator too (Note [Kiln graphs]).
+    noteCapturedGenerator(stream, at::Generator(c10::intrusive_ptr<c10::GeneratorImpl>::reclaim_copy(this)));
+  }
   return engine_;
 }
 
