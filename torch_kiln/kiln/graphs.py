@@ -36,6 +36,7 @@ What kiln guarantees (Note [Kiln graphs] in ``torch_kiln/csrc/core/KilnGraph.cc`
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -92,8 +93,13 @@ class KilnGraph(_C._KilnGraph):
                               capture_error_mode=capture_error_mode)
 
     def capture_end(self) -> None:
-        """Ends the capture. Raises RuntimeError if an operation invalidated it."""
+        """Ends the capture. Raises RuntimeError if an operation invalidated it; warns
+        (as CUDA does) if nothing was captured."""
         super().capture_end()
+        if super().num_nodes() == 0:
+            warnings.warn(
+                "The kiln graph is empty. This usually means that the graph was attempted to be "
+                "captured on the wrong device or stream.", stacklevel=2)
 
     def instantiate(self) -> None:
         """No-op (kiln graphs are launchable when captured); kept for CUDA compatibility."""
@@ -124,8 +130,9 @@ class graph:
         kiln_graph: the graph to capture into.
         pool: a pool token (``other_graph.pool()`` or :func:`graph_pool_handle`)
             to share memory with other captures.
-        stream: the stream to capture on; by default a side stream that
-            ``graph`` creates once and reuses (never the default stream).
+        stream: the stream to capture on; by default a side stream of the
+            current device that ``graph`` creates once and reuses (never the
+            default stream).
         capture_error_mode: "global", "thread_local" or "relaxed".
 
     On entry it synchronizes the device and empties the cache, as CUDA's does.
@@ -133,17 +140,23 @@ class graph:
     exception propagates unchanged.
     """
 
-    default_capture_stream: Optional[torch.Stream] = None
+    # One side stream per device, made on first use. (CUDA keeps a single
+    # one, made on whichever device was current first; a capture for
+    # another device would then miss that device's work.)
+    _default_capture_streams: dict[int, torch.Stream] = {}
 
     def __init__(self, kiln_graph: KilnGraph, pool: Optional[tuple[int, int]] = None,
                  stream: Optional[torch.Stream] = None,
                  capture_error_mode: str = "global") -> None:
         import torch_kiln.kiln as kiln
 
-        if stream is None and self.__class__.default_capture_stream is None:
-            self.__class__.default_capture_stream = kiln.Stream()
+        if stream is None:
+            device = kiln.current_device()
+            stream = graph._default_capture_streams.get(device)
+            if stream is None:
+                stream = graph._default_capture_streams[device] = kiln.Stream(device)
         self.pool = pool
-        self.capture_stream = stream if stream is not None else self.__class__.default_capture_stream
+        self.capture_stream = stream
         self.stream_ctx = kiln.stream(self.capture_stream)
         self.kiln_graph = kiln_graph
         self.capture_error_mode = capture_error_mode

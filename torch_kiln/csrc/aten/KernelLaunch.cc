@@ -430,6 +430,16 @@ kilnError_t KernelLaunch::runTask(void* self) {
     prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
+    if (record->captured_ && c10::kiln::anyFailedResults()) {
+      // A replay re-creates the graph's fresh outputs, as an allocation
+      // does in eager (Note [Results of failed kernels]): an earlier failed
+      // replay's mark on them no longer holds.
+      for (uint32_t i = record->first_output_; i < record->first_output_ + record->output_count_; ++i) {
+        if (record->descriptors_[i].defined) {
+          c10::kiln::clearFailedResult(record->descriptors_[i].data);
+        }
+      }
+    }
     return kilnSuccess;
   } catch (const std::exception& e) {
     // Note [Kernel errors keep their type]

@@ -226,10 +226,6 @@ void KilnGraph::capture_end() {
   }
   graph_ = graph;
   has_graph_ = true;
-  if (num_nodes() == 0) {
-    TORCH_WARN("The kiln graph is empty. This usually means that the graph was attempted to be "
-               "captured on the wrong device or stream.");
-  }
 }
 
 void KilnGraph::replay() {

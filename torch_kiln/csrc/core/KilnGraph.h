@@ -39,7 +39,8 @@ class KilnGraph {
   void capture_begin(MempoolId_t pool = {0, 0}, const std::string& capture_error_mode = "global");
   // Ends the capture begun by capture_begin (on the same stream). Raises
   // c10::Error naming the operation that invalidated the capture, if one did
-  // (the graph then holds nothing). Warns if nothing was captured.
+  // (the graph then holds nothing). (torch.kiln.KilnGraph warns if nothing
+  // was captured.)
   void capture_end();
   // Launches the captured work on the current stream of the capture's device:
   // one queue entry, ordered after earlier work there.
