@@ -46,6 +46,7 @@ import micro  # noqa: E402
 import training  # noqa: E402
 import compilation  # noqa: E402
 import kernels  # noqa: E402
+import graphs  # noqa: E402
 
 GROUPS = {
     "add": micro.add_overhead,
@@ -59,6 +60,7 @@ GROUPS = {
     "compile": compilation.throughput,
     "compile-time": compilation.compile_time,
     "kernels": kernels.throughput,
+    "graphs": graphs.replay_overhead,
 }
 
 
