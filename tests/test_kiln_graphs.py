@@ -357,6 +357,24 @@ def test_kernel_error_inside_a_replay_surfaces_at_synchronize():
     assert_same(out, src.cpu()[[1, 1]])
 
 
+def test_torch_accelerator_graph_is_a_kiln_graph():
+    x = torch.ones(8, device="kiln")
+    warm_up(lambda t: t * 2 + 1, x)
+    g = torch.accelerator.Graph()
+    with pytest.raises(RuntimeError, match="must be captured on a non-default stream"):
+        g.capture_begin()
+    s = torch.kiln.Stream()
+    with torch.kiln.stream(s):
+        with g:  # captures on the current stream
+            y = x * 2 + 1
+        x.fill_(2.0)
+        g.replay()
+        result = y.clone()
+    s.synchronize()
+    assert_same(result, torch.full((8,), 5.0))
+    assert isinstance(g.pool(), tuple)
+
+
 def test_make_graphed_callables_is_marked_not_implemented():
     with pytest.raises(NotImplementedError, match="make_graphed_callables is not implemented yet"):
         torch.kiln.make_graphed_callables(torch.nn.Linear(2, 2), (torch.randn(1, 2),))

@@ -43,6 +43,9 @@ import torch
 
 from torch_kiln import _C
 
+# torch.accelerator.Graph creates a KilnGraph on kiln.
+_C._register_accelerator_graph()
+
 __all__ = [
     "KilnGraph",
     "graph",
