@@ -375,6 +375,58 @@ def test_torch_accelerator_graph_is_a_kiln_graph():
     assert isinstance(g.pool(), tuple)
 
 
-def test_make_graphed_callables_is_marked_not_implemented():
-    with pytest.raises(NotImplementedError, match="make_graphed_callables is not implemented yet"):
-        torch.kiln.make_graphed_callables(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+@pytest.mark.parametrize("device", DEVICES)
+def test_make_graphed_callables_forward_and_backward_match_eager(device):
+    with torch.kiln.device(device):
+        dev = f"kiln:{device}"
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                     torch.nn.Linear(16, 4)).to(dev)
+        reference = copy.deepcopy(module)
+
+        def fn(a, b):
+            return (a * b).tanh(), a - b
+
+        sample = torch.randn(5, 8, device=dev, requires_grad=True)
+        fn_samples = (torch.randn(3, device=dev, requires_grad=True),
+                      torch.randn(3, device=dev, requires_grad=True))
+        graphed_module, graphed_fn = torch.kiln.make_graphed_callables(
+            (module, fn), ((sample,), fn_samples))
+        assert graphed_module is module
+        for _ in range(3):
+            data = torch.randn(5, 8)
+            x, rx = data.to(dev).requires_grad_(), data.to(dev).requires_grad_()
+            out = graphed_module(x)
+            out.square().sum().backward()
+            ref = reference(rx)
+            ref.square().sum().backward()
+            assert_same(out, ref.detach().cpu())
+            assert_same(x.grad, rx.grad.cpu())
+            for p, q in zip(module.parameters(), reference.parameters()):
+                assert_same(p.grad, q.grad.cpu())
+                p.grad = q.grad = None
+            a, b = torch.randn(3), torch.randn(3)
+            ga, gb = a.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+            t, d = graphed_fn(ga, gb)
+            (t.sum() + d.sum()).backward()
+            ra, rb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            rt, rd = fn(ra, rb)
+            (rt.sum() + rd.sum()).backward()
+            assert_same(t, rt.detach())
+            assert_same(d, rd.detach())
+            assert_same(ga.grad, ra.grad)
+            assert_same(gb.grad, rb.grad)
+        # In eval mode (not the mode at capture) the module runs eagerly.
+        module.eval()
+        reference.eval()
+        data = torch.randn(2, 8).to(dev)  # another batch size: only eager can run it
+        assert_same(module(data).detach(), reference(data).detach().cpu())
+
+
+def test_make_graphed_callables_rejects_non_tensor_args_and_hooked_modules():
+    with pytest.raises(TypeError, match="only contain tensors"):
+        torch.kiln.make_graphed_callables(lambda a, n: a * n, (torch.ones(2, device="kiln"), 3))
+    module = torch.nn.Linear(2, 2).to("kiln")
+    module.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="must not have hooks"):
+        torch.kiln.make_graphed_callables(module, (torch.ones(1, 2, device="kiln"),))

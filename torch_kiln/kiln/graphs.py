@@ -4,8 +4,8 @@ The API and semantics are ``torch.cuda``'s CUDA Graphs
 (``torch/cuda/graphs.py``): :class:`KilnGraph` mirrors
 ``torch.cuda.CUDAGraph``, :class:`graph` mirrors ``torch.cuda.graph``,
 :func:`graph_pool_handle` and :func:`is_current_stream_capturing` their CUDA
-namesakes, and :func:`make_graphed_callables` ``torch.cuda``'s (forward and
-backward graphs of a module or function).
+namesakes, and :func:`make_graphed_callables` (in ``_graphed_callables.py``)
+``torch.cuda``'s (forward and backward graphs of a module or function).
 
 What kiln guarantees (Note [Kiln graphs] in ``torch_kiln/csrc/core/KilnGraph.cc``):
 
@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torch_kiln import _C
+from torch_kiln.kiln._graphed_callables import make_graphed_callables
 
 # torch.accelerator.Graph creates a KilnGraph on kiln.
 _C._register_accelerator_graph()
@@ -154,15 +155,23 @@ class graph:
         import torch_kiln.kiln as kiln
 
         if stream is None:
-            device = kiln.current_device()
-            stream = graph._default_capture_streams.get(device)
-            if stream is None:
-                stream = graph._default_capture_streams[device] = kiln.Stream(device)
+            stream = graph._default_capture_stream()
         self.pool = pool
         self.capture_stream = stream
         self.stream_ctx = kiln.stream(self.capture_stream)
         self.kiln_graph = kiln_graph
         self.capture_error_mode = capture_error_mode
+
+    @staticmethod
+    def _default_capture_stream() -> torch.Stream:
+        """The side stream ``graph`` captures on by default on the current device."""
+        import torch_kiln.kiln as kiln
+
+        device = kiln.current_device()
+        stream = graph._default_capture_streams.get(device)
+        if stream is None:
+            stream = graph._default_capture_streams[device] = kiln.Stream(device)
+        return stream
 
     def __enter__(self) -> None:
         import torch_kiln.kiln as kiln
@@ -191,13 +200,3 @@ class graph:
                 self.kiln_graph.reset()
         finally:
             self.stream_ctx.__exit__(exc_type, exc, tb)
-
-
-def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
-                           allow_unused_input: bool = False, pool: Any = None) -> Any:
-    """Not implemented yet on kiln (``torch.cuda.make_graphed_callables``'s forward and
-    backward graphs). Raises NotImplementedError; capture a whole step with
-    :class:`graph` instead."""
-    raise NotImplementedError(
-        "torch.kiln.make_graphed_callables is not implemented yet; capture the whole "
-        "forward/backward/optimizer step with torch.kiln.graph instead (see docs/performance.md)")
