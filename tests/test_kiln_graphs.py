@@ -6,12 +6,16 @@ require (kiln's first call of an op in a layout class checks its meta kernel
 synchronously, which a capture refuses)."""
 
 import copy
+import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import assert_same, run_python
 
 DEVICES = [0, 1]
 
@@ -355,6 +359,55 @@ def test_kernel_error_inside_a_replay_surfaces_at_synchronize():
     idx.fill_(1)
     g.replay()
     assert_same(out, src.cpu()[[1, 1]])
+
+
+def test_first_call_layout_check_during_capture_asks_for_a_warm_up():
+    # roll checks its meta kernel synchronously on its first call with each
+    # layout class (here int16, rank 3, unseen so far in this process).
+    x = torch.ones(2, 3, 4, dtype=torch.int16, device="kiln")
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(RuntimeError, match=r"aten::roll: operation not permitted when stream is "
+                                           r"capturing: .*warm-up"):
+        with torch.kiln.graph(g):
+            torch.roll(x, 1, 0)
+    warm_up(lambda t: torch.roll(t, 1, 0), x)
+    with torch.kiln.graph(g):
+        y = torch.roll(x, 1, 0)
+    g.replay()
+    assert_same(y, torch.roll(x.cpu(), 1, 0))
+
+
+def test_capture_and_replay_with_launch_blocking():
+    code = textwrap.dedent("""
+        import torch, torch_kiln
+        x = torch.arange(8.0, device="kiln")
+        y = x * 2 + 1                      # warm-up
+        g = torch.kiln.KilnGraph()
+        with torch.kiln.graph(g):
+            y = x * 2 + 1
+        x.fill_(1.0)
+        g.replay()
+        assert torch.equal(y.cpu(), torch.full((8,), 3.0)), y.cpu()
+        print("ok")
+    """)
+    result = run_python(code, {"KILN_LAUNCH_BLOCKING": "1"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_replay_is_one_device_task_in_the_profiler():
+    x = torch.ones(64, device="kiln")
+    warm_up(lambda t: (t + 1) * 2, x)
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g):
+        y = (x + 1) * 2
+    nodes = g.num_nodes()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        g.replay()
+        torch.kiln.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.PrivateUse1]
+    assert names.count(f"kiln graph ({nodes} nodes)") == 1, names
+    assert_same(y, torch.full((64,), 4.0))
 
 
 def test_torch_accelerator_graph_is_a_kiln_graph():

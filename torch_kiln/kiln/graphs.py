@@ -139,7 +139,8 @@ class graph:
             default stream).
         capture_error_mode: "global", "thread_local" or "relaxed".
 
-    On entry it synchronizes the device and empties the cache, as CUDA's does.
+    On entry it synchronizes the device and empties the cache, as CUDA's does
+    (and collects garbage if ``torch.compiler.config.force_cudagraph_gc``).
     If the body raises, the capture is ended and discarded and the body's
     exception propagates unchanged.
     """
@@ -177,7 +178,8 @@ class graph:
         import torch_kiln.kiln as kiln
 
         kiln.synchronize()
-        gc.collect()
+        if torch.compiler.config.force_cudagraph_gc:  # as torch.cuda.graph: costly, opt-in
+            gc.collect()
         kiln.empty_cache()
         self.stream_ctx.__enter__()
         try:
