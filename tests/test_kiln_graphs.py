@@ -175,10 +175,14 @@ def test_random_ops_draw_anew_per_replay_as_eager_would():
     def body(t):
         return F.dropout(t, 0.5) + torch.randn(1000, device="kiln")
 
-    warm_up(body, x)
+    warm_up(body, x)  # on another stream: the capture's first draw waits for it on the host
     g = torch.kiln.KilnGraph()
     with torch.kiln.graph(g):
         out = body(x)
+        # Eager random work on another stream during the capture still works.
+        with torch.kiln.stream(torch.kiln.default_stream()):
+            eager_during_capture = torch.rand(4, device="kiln")
+    assert eager_during_capture.cpu().shape == (4,)
     torch.kiln.manual_seed(123)
     g.replay()
     first = out.cpu()

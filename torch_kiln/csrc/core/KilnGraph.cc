@@ -48,7 +48,10 @@ namespace c10::kiln {
 //    same order, would draw from the same generator state (CUDA advances a
 //    Philox offset per replay for the same effect). Each replay orders the
 //    generators the capture used on the replay stream (engineForLaunch), so
-//    manual_seed and get_state after a replay wait for it.
+//    manual_seed and get_state after a replay wait for it. A random op
+//    captured after random work on another stream makes the host wait for
+//    that work (a capture cannot wait for another stream); random ops on
+//    other streams during a capture are not ordered against the capture.
 
 namespace detail {
 std::atomic<int> captures_underway{0};
