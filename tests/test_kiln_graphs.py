@@ -414,6 +414,21 @@ def test_a_replay_is_one_device_task_in_the_profiler():
     assert_same(y, torch.full((64,), 4.0))
 
 
+def test_a_compiled_function_captured_in_a_graph_replays_its_kernels(fresh_compile):
+    fn = torch.compile(lambda a, b: (a.sin() * b + 1).relu().sum(1))
+    a = torch.randn(32, 16, device="kiln")
+    b = torch.randn(32, 16, device="kiln")
+    fn(a, b)  # compiles, and warms up
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g):
+        out = fn(a, b)
+    assert g.num_nodes() >= 1
+    for _ in range(2):
+        a.copy_(torch.randn(32, 16))
+        g.replay()
+        assert_same(out, fn(a, b).cpu())  # the compiled kernels, called directly
+
+
 def test_torch_accelerator_graph_is_a_kiln_graph():
     x = torch.ones(8, device="kiln")
     warm_up(lambda t: t * 2 + 1, x)
