@@ -47,6 +47,7 @@ import training  # noqa: E402
 import compilation  # noqa: E402
 import kernels  # noqa: E402
 import collectives  # noqa: E402
+import graphs  # noqa: E402
 
 GROUPS = {
     "add": micro.add_overhead,
@@ -61,6 +62,7 @@ GROUPS = {
     "compile-time": compilation.compile_time,
     "kernels": kernels.throughput,
     "collectives": collectives.throughput,
+    "graphs": graphs.replay_overhead,
 }
 
 

@@ -127,6 +127,17 @@ kilnError_t SubmitCopy(Runtime& rt, ApiActivity& activity, Stream* stream, void*
                        bool always_wait) {
   const bool wait = always_wait || d.kind == MemoryKind::kPageable;
   const bool stage = !wait && s.kind == MemoryKind::kPageable && !rt.config.launch_blocking;
+  if (__builtin_expect(stream->capturing(), 0)) {
+    // Note [Stream capture]: a synchronous copy would wait for the capture,
+    // and a pageable source would be read once, at capture, not per launch.
+    if (wait)
+      return stream->RefuseIfCapturing(
+          "a synchronous copy on the capturing stream (into pageable host memory, or kilnMemcpy)");
+    if (s.kind == MemoryKind::kPageable)
+      return stream->RefuseIfCapturing(
+          "an asynchronous copy from pageable host memory on the capturing stream (copy from "
+          "pinned memory, kilnMallocHost, to capture it)");
+  }
   if (wait) {
     if (kilnError_t err = stream->CheckNotSelf()) return err;
     // The earlier work first, interruptibly; then the copy itself, which the

@@ -161,6 +161,7 @@ KILN_API kilnError_t kilnDeviceSynchronize(void) {
     if (kilnError_t err = kiln::CurrentDevice(rt, &d)) return err;
     activity.SetDevice(d);
     if (kilnError_t err = kiln::CheckNotInsideTaskOf(d)) return err;
+    if (kilnError_t err = kiln::RefuseIfDeviceCapturing(rt, d, "kilnDeviceSynchronize")) return err;
     const std::vector<kiln::Stream*> streams = kiln::SnapshotStreams(rt.devices[d]);
     for (kiln::Stream* s : streams)
       if (kilnError_t err = s->HostWaitFor(s->submitted())) return err;

@@ -133,6 +133,9 @@ KILN_API const char* kilnGetErrorName(kilnError_t error) {
     case kilnErrorNotReady: return "kilnErrorNotReady";
     case kilnErrorLaunchFailure: return "kilnErrorLaunchFailure";
     case kilnErrorNotPermitted: return "kilnErrorNotPermitted";
+    case kilnErrorIllegalState: return "kilnErrorIllegalState";
+    case kilnErrorStreamCaptureUnsupported: return "kilnErrorStreamCaptureUnsupported";
+    case kilnErrorStreamCaptureInvalidated: return "kilnErrorStreamCaptureInvalidated";
     case kilnErrorUnknown: return "kilnErrorUnknown";
   }
   return "kilnErrorUnrecognized";
@@ -152,6 +155,9 @@ KILN_API const char* kilnGetErrorString(kilnError_t error) {
     case kilnErrorNotReady: return "device not ready";
     case kilnErrorLaunchFailure: return "unspecified launch failure";
     case kilnErrorNotPermitted: return "operation not permitted";
+    case kilnErrorIllegalState: return "the operation cannot be performed in the present state";
+    case kilnErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case kilnErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     case kilnErrorUnknown: return "unknown error";
   }
   return "unrecognized error code";

@@ -172,6 +172,9 @@ KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream) {
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    if (kilnError_t err = s->RefuseIfCapturing(
+            "kilnEventRecord on the capturing stream (work across streams is not captured)"))
+      return err;
 
     uint64_t gen, prev_gen;
     int64_t prev_time;
@@ -229,6 +232,10 @@ KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event,
       gen = ev->latest_gen;
       if (gen == 0 || !ev->IsPendingLocked(gen)) return kilnSuccess;  // already complete
     }
+    if (kilnError_t err = s->RefuseIfCapturing(
+            "kilnStreamWaitEvent on the capturing stream for a record that has not completed "
+            "(work across streams is not captured)"))
+      return err;
     kiln::Entry e;
     e.kind = kiln::EntryKind::kWait;
     e.event = ev;

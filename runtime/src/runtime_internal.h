@@ -263,8 +263,11 @@ enum class EntryKind : uint8_t {
   kCopy,    // memmove(dst, src, count), then free(staging)
   kMemset,  // memset(dst, value, count)
   kRecord,  // control: complete event generation `gen`
-  kWait     // control: block until event generation `gen` has completed
+  kWait,    // control: block until event generation `gen` has completed
+  kGraph    // work: run every node of `graph`, then drop the entry's reference
 };
+
+struct Graph;
 
 // One queue slot. Plain data, copied into a ring buffer, so a launch costs no
 // heap allocation once the ring has grown to the stream's working depth.
@@ -286,6 +289,8 @@ struct Entry {
   // kRecord, kWait
   Event* event = nullptr;
   uint64_t gen = 0;
+  // kGraph: a reference owned by the entry (Note [Stream capture])
+  Graph* graph = nullptr;
   // Set when activity tracing was enabled at submission: the record the
   // runner completes with the entry's start and end times (or discards if the
   // entry is skipped). Owned by the entry. See Note [Activity tracing].
@@ -358,6 +363,17 @@ class Stream {
   // waiters; the runner calls PublishCompleted afterwards.
   void AdvanceCompleted(uint64_t seq);
 
+  // Capture (graph.cc, Note [Stream capture]). BeginCapture fails for the
+  // default stream or a stream already capturing; EndCapture hands over the
+  // recorded graph (or fails if the capture was invalidated, ending it).
+  kilnError_t BeginCapture();
+  kilnError_t EndCapture(Graph** out);
+  kilnStreamCaptureStatus CaptureStatus();
+  // If this stream is capturing: invalidates the capture and fails with
+  // kilnErrorStreamCaptureUnsupported naming `what`. Else kilnSuccess.
+  kilnError_t RefuseIfCapturing(const char* what);
+  bool capturing() const { return capturing_.load(std::memory_order_acquire); }
+
   bool alive() const { return alive_.load(std::memory_order_acquire); }
   int device() const { return device_.load(std::memory_order_relaxed); }
   int priority() const { return priority_.load(std::memory_order_relaxed); }
@@ -369,6 +385,13 @@ class Stream {
   void WorkerLoop();
   void Pop(Entry* e);  // blocks; worker thread only
   kilnError_t SubmitInline(Entry& e, uint64_t* seq, bool* consumed);
+  // Submit while capturing: records `e` into the capture's graph (*captured
+  // true) or refuses it; *captured false if the capture ended meanwhile.
+  kilnError_t SubmitCaptured(Entry& e, uint64_t* seq, bool* consumed, bool* captured);
+  // mu_ held: invalidates the capture, returns the refusal's error.
+  kilnError_t InvalidateCaptureLocked(const char* what);
+  // Runs the nodes of a launched graph (an entry of kind kGraph).
+  kilnError_t RunGraph(const Graph& graph, TaskFailure* failure);
   // mu_ held. Makes room for one more work entry, waiting if the calling host
   // thread finds the queue full; fails if the wait was abandoned or the
   // runtime is shutting down.
@@ -420,6 +443,13 @@ class Stream {
   std::atomic<int> sticky_code_{kilnSuccess};
   std::atomic<uint64_t> skip_until_{0};
   TaskFailure sticky_failure_;
+
+  // Capture (Note [Stream capture]). capture_ and capture_error_ are
+  // guarded by mu_; capturing_ mirrors capture_ != nullptr for Submit's
+  // lock-free test.
+  std::atomic<bool> capturing_{false};
+  Graph* capture_ = nullptr;
+  std::string capture_error_;  // non-empty once the capture was invalidated
 
   // Serialises inline execution in blocking mode (recursive: a task may
   // launch onto its own stream).
@@ -686,8 +716,26 @@ extern std::atomic<bool> g_dropping;
 
 // Task, copy and memset entries are work; records and waits are control.
 inline bool IsWorkEntry(const Entry& e) {
-  return e.kind == EntryKind::kTask || e.kind == EntryKind::kCopy || e.kind == EntryKind::kMemset;
+  return e.kind == EntryKind::kTask || e.kind == EntryKind::kCopy ||
+         e.kind == EntryKind::kMemset || e.kind == EntryKind::kGraph;
 }
+
+// --- Graphs (graph.cc) ------------------------------------------------------
+
+// A captured graph: the entries recorded by a stream capture, in order.
+// Reference counted: the kilnGraph_t handle holds one reference, each queued
+// launch (kGraph entry) another; the last one releases the nodes' tasks.
+struct Graph {
+  int device = 0;
+  std::vector<Entry> nodes;  // kTask, kCopy, kMemset; trace == nullptr
+  std::string name;          // "kiln graph (<n> nodes)", the launch's name
+  std::atomic<int> refs{1};
+};
+void GraphRef(Graph* graph);
+void GraphUnref(Graph* graph);  // releases the nodes' tasks at zero
+// Whether any stream of `device` is capturing; if so invalidates those
+// captures and fails naming `what` (kilnDeviceSynchronize).
+kilnError_t RefuseIfDeviceCapturing(Runtime& rt, int device, const char* what);
 
 // kilnErrorRuntimeUnloading with a message, for work submitted after shutdown.
 kilnError_t FailUnloading();

@@ -210,6 +210,11 @@ void Stream::GrowRing() {
 }
 
 kilnError_t Stream::Submit(Entry& e, uint64_t* seq, bool* consumed) {
+  if (__builtin_expect(capturing_.load(std::memory_order_acquire), 0)) {
+    bool captured = false;
+    const kilnError_t err = SubmitCaptured(e, seq, consumed, &captured);
+    if (captured || err != kilnSuccess) return err;
+  }
   if (blocking_.load(std::memory_order_relaxed)) return SubmitInline(e, seq, consumed);
 
   std::unique_lock<std::mutex> lock(mu_);
@@ -374,9 +379,37 @@ kilnError_t Stream::Run(Entry& e, TaskFailure* failure) {
     case EntryKind::kWait:
       WaitEventGeneration(e.event, e.gen);
       break;
+    case EntryKind::kGraph:
+      ran = !ShouldSkip(e.seq);
+      if (ran) result = RunGraph(*e.graph, failure);
+      if (trace != nullptr) end = NowNs();
+      GraphUnref(e.graph);
+      break;
   }
   if (trace != nullptr) FinishTrace(trace, ran, start, end != 0 ? end : NowNs());
   return result;
+}
+
+// Note [Stream capture]: the nodes run back to back inside the graph's one
+// entry; the first failing task stops the graph and becomes the entry's
+// failure, named after the task.
+kilnError_t Stream::RunGraph(const Graph& graph, TaskFailure* failure) {
+  for (const Entry& node : graph.nodes) {
+    switch (node.kind) {
+      case EntryKind::kTask:
+        if (RunTaskFn(node, failure) != kilnSuccess) return kilnErrorLaunchFailure;
+        break;
+      case EntryKind::kCopy:
+        std::memmove(node.dst, node.src, node.count);
+        break;
+      case EntryKind::kMemset:
+        std::memset(node.dst, node.value, node.count);
+        break;
+      default:  // never captured (SubmitCaptured refuses them)
+        break;
+    }
+  }
+  return kilnSuccess;
 }
 
 void Stream::FinishTrace(PendingActivity* trace, bool ran, int64_t start, int64_t end) {
@@ -580,6 +613,8 @@ KILN_API kilnError_t kilnStreamDestroy(kilnStream_t stream) {
                   "stream %p is the default stream of kiln device %d; default streams live for "
                   "the whole process and cannot be destroyed",
                   static_cast<void*>(stream), s->device());
+    if (kilnError_t err = s->RefuseIfCapturing("kilnStreamDestroy of the capturing stream"))
+      return err;
     if (kilnError_t err = s->CheckNotSelf()) return err;
     if (!s->Deactivate())
       return Fail(kilnErrorInvalidResourceHandle, "stream %p has been destroyed",
@@ -606,6 +641,7 @@ KILN_API kilnError_t kilnStreamQuery(kilnStream_t stream) {
   return ApiCall("kilnStreamQuery", [&](Runtime& rt) {
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    if (kilnError_t err = s->RefuseIfCapturing("kilnStreamQuery of the capturing stream")) return err;
     if (kilnError_t err = s->TakeStickyError()) return err;
     return s->Idle() ? kilnSuccess : kilnErrorNotReady;
   });
@@ -617,6 +653,8 @@ KILN_API kilnError_t kilnStreamSynchronize(kilnStream_t stream) {
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
     activity.SetStream(s);
+    if (kilnError_t err = s->RefuseIfCapturing("kilnStreamSynchronize of the capturing stream"))
+      return err;
     if (kilnError_t err = s->CheckNotSelf()) return err;
     if (kilnError_t err = s->HostWaitFor(s->submitted())) return err;
     return s->TakeStickyError();

@@ -49,8 +49,8 @@ _CATEGORY_LIST = [
     Category("nccl", '"nccl" process-group backend', "high", "fails", "mechanical",
              "backend=torch.distributed.get_default_backend_for_device(device)"),
     Category("cuda-graphs", "CUDA graphs", "high", "fails", "needs a decision",
-             'torch.compile(mode="reduce-overhead") or torch.accelerator.Graph '
-             "(kiln graphs are not implemented yet: run eagerly there)"),
+             "torch.accelerator.Graph (or torch.kiln.graph / KilnGraph, which mirror "
+             "torch.cuda's); on kiln, mode=\"reduce-overhead\" does not capture yet"),
     Category("nvtx", "NVTX range", "medium", "fails", "mechanical",
              'torch.profiler.record_function("name") (a context manager; works on every device)'),
     Category("cuda-extension", "custom CUDA extension", "high", "fails", "needs a kernel rewrite",

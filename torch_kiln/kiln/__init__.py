@@ -21,7 +21,14 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
-from torch_kiln.kiln import memory
+from torch_kiln.kiln import graphs, memory
+from torch_kiln.kiln.graphs import (
+    KilnGraph,
+    graph,
+    graph_pool_handle,
+    is_current_stream_capturing,
+    make_graphed_callables,
+)
 from torch_kiln.kiln.memory import (
     empty_cache,
     get_per_process_memory_fraction,
@@ -296,11 +303,16 @@ __all__ = [
     "get_rng_state",
     "get_rng_state_all",
     "get_sync_ops",
+    "graph",
+    "graph_pool_handle",
     "init",
     "initial_seed",
     "is_available",
     "is_bf16_supported",
+    "is_current_stream_capturing",
     "is_initialized",
+    "KilnGraph",
+    "make_graphed_callables",
     "manual_seed",
     "manual_seed_all",
     "max_memory_allocated",

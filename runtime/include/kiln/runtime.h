@@ -63,7 +63,10 @@ extern "C" {
  *    kilnRuntimeShutdown, kilnErrorRuntimeUnloading, kilnErrorInterrupted,
  *    kilnMemExportToShareableHandle, kilnMemImportFromShareableHandle, error
  *    classes of failed tasks (kilnTaskSetErrorClass, kilnGetLastErrorClass). */
-#define KILN_RUNTIME_VERSION 3
+/* 4: stream capture and graphs (kilnStreamBeginCapture, kilnStreamEndCapture,
+ *    kilnStreamIsCapturing, kilnGraphLaunch, kilnGraphDestroy,
+ *    kilnGraphGetNodeCount), kilnErrorIllegalState and the capture errors. */
+#define KILN_RUNTIME_VERSION 4
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -83,7 +86,13 @@ typedef enum kilnError {
                                            event that cannot be timed          */
   kilnErrorNotReady = 600,            /* work is still pending (query calls)   */
   kilnErrorLaunchFailure = 719,       /* a task failed (sticky on its stream)  */
+  kilnErrorIllegalState = 401,        /* e.g. ending a capture never begun     */
   kilnErrorNotPermitted = 800,        /* operation not allowed in this state   */
+  kilnErrorStreamCaptureUnsupported = 900, /* operation not permitted when stream
+                                              is capturing (the capture is then
+                                              invalidated)                    */
+  kilnErrorStreamCaptureInvalidated = 901, /* the capture was invalidated by an
+                                              earlier refused operation        */
   kilnErrorInterrupted = 990,         /* a host wait was abandoned because the
                                          host-wait callback asked to stop (no
                                          CUDA equivalent)                      */
@@ -400,6 +409,88 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event);
  * is still pending. */
 KILN_API kilnError_t kilnEventElapsedTime(float* ms, kilnEvent_t start,
                                          kilnEvent_t end);
+
+/* ------------------------------------------------------------------------ */
+/* Stream capture and graphs                                                 */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * CUDA Graphs' capture model (cudaStreamBeginCapture / cudaGraphLaunch) for
+ * kiln streams. Between kilnStreamBeginCapture and kilnStreamEndCapture, the
+ * work launched on the capturing stream — tasks (kilnLaunchTask), device
+ * copies and copies to or from pinned host memory (kilnMemcpyAsync,
+ * kilnMemcpyPeerAsync), memsets — is recorded into a graph instead of being
+ * run: the calls return kilnSuccess and nothing executes. kilnGraphLaunch
+ * then enqueues the whole graph on a stream as ONE queue entry that runs the
+ * recorded work in capture order, as many times as it is launched.
+ *
+ * A captured task's fn runs once per launch of its graph (with the same
+ * userData), so fn must not consume userData; its release runs once, when
+ * the graph is destroyed and its last launch has finished.
+ *
+ * Operations that would wait for the capturing stream, or that the model
+ * cannot record, fail with kilnErrorStreamCaptureUnsupported ("operation not
+ * permitted when stream is capturing") and invalidate the capture (CUDA's
+ * cudaErrorStreamCaptureUnsupported / Invalidated):
+ *   - kilnStreamSynchronize or kilnStreamQuery of the capturing stream,
+ *     kilnDeviceSynchronize of its device, kilnStreamDestroy of it;
+ *   - a synchronous copy on it (into pageable host memory, or kilnMemcpy),
+ *     and an asynchronous copy from pageable host memory (it would be staged
+ *     once, at capture, where CUDA reads the host memory at each launch);
+ *   - kilnEventRecord on it, and kilnStreamWaitEvent on it for a record
+ *     that has not completed: work across streams is not captured (no fork
+ *     and join of side streams, unlike CUDA). Waiting for a record that has
+ *     already completed is a no-op and allowed;
+ *   - kilnGraphLaunch onto it (no child graphs).
+ * After an invalidation every launch onto the stream fails with
+ * kilnErrorStreamCaptureInvalidated (release is called, as for any failed
+ * launch) until kilnStreamEndCapture, which returns that code and no graph.
+ * Other streams, also of the same device, keep working normally.
+ *
+ * A failing task inside a launched graph fails the graph's entry as a
+ * failing task fails its own: the stream's sticky error names the task
+ * ("<task name>: <message>"), and the rest of the graph is not run.
+ * Activity tracing records one kilnActivityKindTask record per launch,
+ * named "kiln graph (<n> nodes)".
+ */
+typedef struct kilnGraph_st* kilnGraph_t;
+
+typedef enum kilnStreamCaptureStatus {
+  kilnStreamCaptureStatusNone = 0,        /* not capturing              */
+  kilnStreamCaptureStatusActive = 1,      /* capturing                  */
+  kilnStreamCaptureStatusInvalidated = 2  /* capturing, but invalidated */
+} kilnStreamCaptureStatus;
+
+/* Starts capturing `stream`. flags must be 0. The default stream cannot
+ * capture (kilnErrorStreamCaptureUnsupported, as CUDA's legacy stream);
+ * a stream already capturing fails with kilnErrorIllegalState. */
+KILN_API kilnError_t kilnStreamBeginCapture(kilnStream_t stream, unsigned int flags);
+
+/* Ends the capture of `stream`: *graph receives the recorded graph (the
+ * caller owns it; kilnGraphDestroy). kilnErrorIllegalState if the stream is
+ * not capturing; kilnErrorStreamCaptureInvalidated (with the message of the
+ * operation that invalidated it) if it was invalidated: the capture ends and
+ * *graph is NULL. */
+KILN_API kilnError_t kilnStreamEndCapture(kilnStream_t stream, kilnGraph_t* graph);
+
+/* The capture status of `stream`. Does not synchronize. */
+KILN_API kilnError_t kilnStreamIsCapturing(kilnStream_t stream, kilnStreamCaptureStatus* status);
+
+/* Enqueues one run of `graph` on `stream` (ordered after the work launched
+ * there before, like any launch): one entry in the launch queue whatever the
+ * number of nodes. The stream must belong to the device the graph was
+ * captured on (kilnErrorInvalidValue otherwise). An empty graph launches as
+ * a no-op entry. */
+KILN_API kilnError_t kilnGraphLaunch(kilnGraph_t graph, kilnStream_t stream);
+
+/* Destroys `graph`. Launches still queued or running finish first; the
+ * captured tasks' release functions run after the last one (on the thread
+ * that drops the last reference: this one, or a stream worker). NULL is a
+ * no-op. */
+KILN_API kilnError_t kilnGraphDestroy(kilnGraph_t graph);
+
+/* Number of recorded nodes (tasks, copies, memsets) of `graph`. */
+KILN_API kilnError_t kilnGraphGetNodeCount(kilnGraph_t graph, size_t* count);
 
 /* ------------------------------------------------------------------------ */
 /* Copies                                                                    */

@@ -20,6 +20,7 @@
 #include "aten/OpTracking.h"
 #include "core/FailedResults.h"
 #include "core/KilnEvent.h"
+#include "core/KilnGraph.h"
 #include "core/KilnException.h"
 #include "core/KilnStream.h"
 
@@ -166,6 +167,10 @@ at::Tensor emptyLike(const at::Tensor& layout_source, c10::ScalarType dtype, c10
 
 void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   const c10::DeviceGuard guard(dst.device());
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    c10::kiln::refuseWhileCapturing("aten::_copy_from (host to kiln)",
+                                    c10::kiln::CaptureRefusal::HostCopy);
+  }
   const KilnStream stream = c10::kiln::getCurrentKilnStream(dst.device().index());
   const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
   // A host tensor with exactly the bytes the device side needs.
@@ -199,6 +204,10 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
 void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_blocking,
                     const char* sync_op) {
   const c10::DeviceGuard guard(src.device());
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    c10::kiln::refuseWhileCapturing(sync_op, non_blocking ? c10::kiln::CaptureRefusal::HostCopy
+                                                          : c10::kiln::CaptureRefusal::HostRead);
+  }
   const KilnStream stream = c10::kiln::getCurrentKilnStream(src.device().index());
   const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
   // A device tensor with exactly the bytes the host side needs.

@@ -12,6 +12,7 @@
 #include "aten/TensorAliases.h"
 #include "core/DeviceWarnings.h"
 #include "core/FailedResults.h"
+#include "core/KilnGraph.h"
 #include "core/KilnException.h"
 
 namespace at::kiln {
@@ -106,6 +107,7 @@ void KernelLaunch::clear() {
   output_count_ = 0;
   cleared_ = true;
   ran_ = false;
+  captured_ = false;
 }
 
 TensorDescriptor& KernelLaunch::nextDescriptor() {
@@ -428,6 +430,16 @@ kilnError_t KernelLaunch::runTask(void* self) {
     prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
+    if (record->captured_ && c10::kiln::anyFailedResults()) {
+      // A replay re-creates the graph's fresh outputs, as an allocation
+      // does in eager (Note [Results of failed kernels]): an earlier failed
+      // replay's mark on them no longer holds.
+      for (uint32_t i = record->first_output_; i < record->first_output_ + record->output_count_; ++i) {
+        if (record->descriptors_[i].defined) {
+          c10::kiln::clearFailedResult(record->descriptors_[i].data);
+        }
+      }
+    }
     return kilnSuccess;
   } catch (const std::exception& e) {
     // Note [Kernel errors keep their type]
@@ -445,7 +457,9 @@ kilnError_t KernelLaunch::runTask(void* self) {
 
 void KernelLaunch::releaseTask(void* self) {
   auto* record = static_cast<KernelLaunch*>(self);
-  if (!record->ran_) {
+  // A captured record is released when its graph is destroyed, replayed
+  // or not: that is no skip (Note [Kiln graphs]).
+  if (!record->ran_ && !record->captured_) {
     record->markWrittenAsFailed(
         record->info_->schema->name() + " was skipped after an earlier kernel on its stream failed" +
         (last_failure_on_thread.empty() ? std::string() : ": " + last_failure_on_thread));
@@ -466,6 +480,7 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
     propagateFailedResults();
   }
   threads_ = issuingThreadCount();
+  captured_ = C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   // On failure the runtime has already called releaseTask. With
   // KILN_LAUNCH_BLOCKING=1 a failed kernel fails its launch: raised here with
   // its own type (Note [Kernel errors keep their type]).

@@ -115,6 +115,7 @@ class KernelLaunch {
   uint32_t output_count_ = 0;
   bool cleared_ = true;
   bool ran_ = false;
+  bool captured_ = false; // recorded into a kiln graph (Note [Kiln graphs])
   int threads_ = 1; // Note [Intra-op threads of kiln kernels]
 };
 

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "core/DeviceWarnings.h"
+#include "core/KilnGraph.h"
 #include "core/KilnException.h"
 
 namespace at::kiln {
@@ -15,6 +16,7 @@ struct TaskRecord {
   std::unique_ptr<TaskBody> body;
   int threads; // Note [Intra-op threads of kiln kernels]
   bool ran = false;
+  bool captured = false; // recorded into a kiln graph: released unrun is no skip
 };
 
 kilnError_t runTask(void* user_data) {
@@ -42,7 +44,7 @@ kilnError_t runTask(void* user_data) {
 
 void releaseTask(void* user_data) {
   auto* record = static_cast<TaskRecord*>(user_data);
-  if (!record->ran) {
+  if (!record->ran && !record->captured) {
     record->body->skipped();
   }
   delete record;
@@ -70,6 +72,8 @@ void prepareWorkerThread(int threads) {
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body) {
   auto* record = new TaskRecord{std::move(body), issuingThreadCount()};
+  record->captured =
+      C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, record, name));
 }
 

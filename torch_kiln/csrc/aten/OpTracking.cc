@@ -1,5 +1,7 @@
 #include "aten/OpTracking.h"
 
+#include "core/KilnGraph.h"
+
 #include <mutex>
 
 namespace at::kiln {
@@ -58,14 +60,23 @@ void recordExecutedOp(const char* name) {
 }
 
 void recordSyncOp(const c10::OperatorName& op) {
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    c10::kiln::refuseWhileCapturing(nameOf(op).c_str(), c10::kiln::CaptureRefusal::HostRead);
+  }
   bump(counters().sync, &op, [&] { return nameOf(op); });
 }
 
 void recordSyncOp(const char* name) {
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    c10::kiln::refuseWhileCapturing(name, c10::kiln::CaptureRefusal::HostRead);
+  }
   bump(counters().sync, name, [&] { return std::string(name); });
 }
 
 void recordLayoutCheck(const c10::OperatorName& op) {
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    c10::kiln::refuseWhileCapturing(nameOf(op).c_str(), c10::kiln::CaptureRefusal::LayoutCheck);
+  }
   // Keyed by another member's address, so it counts apart from recordSyncOp.
   bump(counters().sync, &op.overload_name, [&] { return nameOf(op) + " (layout check)"; });
 }

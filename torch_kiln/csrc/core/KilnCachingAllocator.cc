@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -104,6 +105,25 @@ namespace c10::kiln::KilnCachingAllocator {
 //  * When recording is off, malloc and free pay one relaxed atomic load and
 //    branch (maybeGatherContext) plus one predictable branch per trace site.
 
+// Note [Graph memory pools]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A kiln graph's replay writes the addresses its capture allocated, so that
+// memory must stay the graph's (CUDA's private pools, CUDACachingAllocator's
+// beginAllocateToPool). While a capture is underway, allocations on the
+// capturing stream are tagged with the pool's *key*, a negative StreamId that
+// no real stream has, instead of the stream's id. Free lists are ordered by
+// that id, so pool blocks are only ever handed out to allocations of the
+// same pool — during this capture (in stream order, like the replays), or a
+// later capture sharing the pool (pool=, graph_pool_handle()) — and tensors
+// freed during or after the capture return their blocks to the pool, never
+// to ordinary allocations. A block remembers its real stream for
+// record_stream. While a pool is in use (use count > 0: its graphs, and a
+// capture underway), its free segments are never given back to the runtime
+// (empty_cache, releasing smaller segments, the out-of-memory retry), since
+// a graph may still write them. When the last use is released (graph reset
+// or destroyed), its free segments are released at the next empty_cache,
+// as CUDA frees freeable pools in release_cached_blocks.
+
 namespace {
 
 using c10::CachingAllocator::format_size;
@@ -127,7 +147,8 @@ struct Segment;
 
 struct Block {
   DeviceIndex device = 0;
-  StreamId stream_id = 0;
+  StreamId stream_id = 0; // the stream's id, or a graph pool's key (Note [Graph memory pools])
+  StreamId real_stream = 0; // the stream it was allocated on
   size_t size = 0;      // bytes reserved from the runtime (rounded)
   size_t requested = 0; // bytes the client asked for
   void* ptr = nullptr;
@@ -199,14 +220,19 @@ class DeviceCache {
     const size_t size = roundSize(requested);
     const bool is_small = size <= kSmallSize;
     FreeList& pool = is_small ? small_free_ : large_free_;
+    const StreamId key = C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))
+        ? keyForCapturingStream(stream.id())
+        : stream.id();
 
-    Block* block = takeCached(pool, stream.id(), size);
+    Block* block = takeCached(pool, key, size);
     if (block == nullptr) {
-      if (!is_small) {
+      if (!is_small && key == stream.id()) {
         releaseSmallerSegments(stream.id(), size, context);
       }
-      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream, context);
+      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream, key,
+                              context);
     }
+    block->real_stream = stream.id();
     splitIfLarger(block, size);
     clearFailedResult(block->ptr); // new contents (Note [Results of failed kernels])
     block->allocated = true;
@@ -257,7 +283,7 @@ class DeviceCache {
 
   void recordStream(Block* block, const KilnStream& stream) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stream.id() == block->stream_id ||
+    if (stream.id() == block->real_stream ||
         std::find(block->stream_uses.begin(), block->stream_uses.end(), stream.id()) !=
             block->stream_uses.end()) {
       return;
@@ -269,6 +295,49 @@ class DeviceCache {
     Context context = maybeGatherContext(RecordContext::ALL);
     std::lock_guard<std::mutex> lock(mutex_);
     releaseAllCached(context);
+  }
+
+  // Note [Graph memory pools].
+  void beginAllocateToPool(MempoolId_t id, StreamId stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& capture : captures_) {
+      TORCH_CHECK(capture.first != stream, "kiln:", static_cast<int>(device_),
+                  " stream ", stream, " is already allocating to a graph memory pool (a capture is "
+                  "underway on it)");
+    }
+    auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      it = pools_.emplace(id, PrivatePool{0, next_pool_key_--}).first;
+    }
+    it->second.use_count++;
+    captures_.emplace_back(stream, it->second.key);
+    capturing_.store(true, std::memory_order_relaxed);
+  }
+
+  void endAllocateToPool(MempoolId_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      return;
+    }
+    for (auto c = captures_.begin(); c != captures_.end(); ++c) {
+      if (c->second == it->second.key) {
+        captures_.erase(c);
+        break;
+      }
+    }
+    capturing_.store(!captures_.empty(), std::memory_order_relaxed);
+  }
+
+  void releasePool(MempoolId_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = pools_.find(id);
+    TORCH_CHECK(it != pools_.end() && it->second.use_count > 0, "kiln:",
+                static_cast<int>(device_), " has no graph memory pool (", id.first, ", ",
+                id.second, ") in use to release");
+    if (--it->second.use_count == 0) {
+      pools_.erase(it); // its blocks keep the key; releaseCached frees them now
+    }
   }
 
   // Note [Kiln caching allocator], per-process memory fraction.
@@ -477,6 +546,7 @@ class DeviceCache {
     auto* remaining = new Block();
     remaining->device = block->device;
     remaining->stream_id = block->stream_id;
+    remaining->real_stream = block->real_stream;
     remaining->size = rest;
     remaining->ptr = static_cast<char*>(block->ptr) + size;
     remaining->is_small = block->is_small;
@@ -543,8 +613,32 @@ class DeviceCache {
     delete other;
   }
 
+  // The pool key the capturing stream allocates with, or the stream's id
+  // (Note [Graph memory pools]). mutex_ held.
+  StreamId keyForCapturingStream(StreamId stream) const {
+    for (const auto& [capturing, key] : captures_) {
+      if (capturing == stream) {
+        return key;
+      }
+    }
+    return stream;
+  }
+
+  // Whether `key` names a graph pool still in use (its memory must stay).
+  bool isLivePoolKey(StreamId key) const {
+    if (key >= 0) {
+      return false;
+    }
+    for (const auto& [id, pool] : pools_) {
+      if (pool.key == key) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream,
-                         const Context& context) {
+                         StreamId key, const Context& context) {
     void* ptr = nullptr;
     kilnError_t status = reserve(&ptr, size);
     if (status == kilnErrorMemoryAllocation) {
@@ -567,13 +661,14 @@ class DeviceCache {
     KILN_CHECK(status);
     auto* block = new Block();
     block->device = device_;
-    block->stream_id = stream.id();
+    block->stream_id = key;
+    block->real_stream = stream.id();
     block->size = size;
     block->ptr = ptr;
     block->is_small = is_small;
     auto* segment = new Segment();
     segment->head = block;
-    segment->stream_id = stream.id();
+    segment->stream_id = key;
     segment->size = size;
     segment->is_small = is_small;
     segment->context_when_allocated = context;
@@ -777,7 +872,7 @@ class DeviceCache {
     bool released = false;
     for (auto it = pool.begin(); it != pool.end();) {
       Block* block = *it;
-      if (isSplit(block)) {
+      if (isSplit(block) || isLivePoolKey(block->stream_id)) {
         ++it;
         continue;
       }
@@ -797,6 +892,18 @@ class DeviceCache {
   std::deque<std::pair<KilnEvent, Block*>> pending_;
   DeviceStats stats_;
   std::unordered_set<Segment*> segments_; // every segment (Note [Kiln memory history])
+
+  // Graph memory pools (Note [Graph memory pools]): pools in use by id, and
+  // the captures underway as (capturing stream, pool key). capturing_ is
+  // read without mutex_ on malloc's hot path.
+  struct PrivatePool {
+    int use_count = 0;
+    StreamId key = 0;
+  };
+  std::map<MempoolId_t, PrivatePool> pools_;
+  std::vector<std::pair<StreamId, StreamId>> captures_;
+  std::atomic<bool> capturing_{false};
+  StreamId next_pool_key_ = -1;
 
   // Per-process memory fraction (Note [Kiln caching allocator]).
   double fraction_ = 1.0;
@@ -898,6 +1005,21 @@ void recordStream(const c10::DataPtr& data_ptr, const KilnStream& stream) {
   }
   auto* block = static_cast<Block*>(data_ptr.get_context());
   deviceCache(block->device).recordStream(block, stream);
+}
+
+void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream) {
+  check_device_index(device);
+  deviceCache(device).beginAllocateToPool(pool, stream);
+}
+
+void endAllocateToPool(DeviceIndex device, MempoolId_t pool) {
+  check_device_index(device);
+  deviceCache(device).endAllocateToPool(pool);
+}
+
+void releasePool(DeviceIndex device, MempoolId_t pool) {
+  check_device_index(device);
+  deviceCache(device).releasePool(pool);
 }
 
 void emptyCache() {

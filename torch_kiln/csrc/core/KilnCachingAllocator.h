@@ -33,8 +33,23 @@ c10::DeviceAllocator* get();
 // allocator or used only on its own stream.
 void recordStream(const c10::DataPtr& data_ptr, const KilnStream& stream);
 
-// Frees all cached, unused blocks of every device back to the runtime.
+// Frees all cached, unused blocks of every device back to the runtime
+// (blocks of graph memory pools still in use by a graph stay; see
+// Note [Graph memory pools] in KilnCachingAllocator.cc).
 void emptyCache();
+
+// --- Graph memory pools (kiln graphs; CUDA's beginAllocateToPool,
+// endAllocateToPool and releasePool). See Note [Graph memory pools].
+//
+// From beginAllocateToPool on, allocations on `device` made while the
+// current stream is `stream` come from the private pool `pool` (created with
+// use count 1 on first use; a pool already in use gains a use), until
+// endAllocateToPool. releasePool drops one use; at zero the pool's memory
+// is no longer reserved for graphs and its free blocks go back to the
+// runtime at the next empty_cache (or out-of-memory retry).
+void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream);
+void endAllocateToPool(DeviceIndex device, MempoolId_t pool);
+void releasePool(DeviceIndex device, MempoolId_t pool);
 
 c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device);
 void resetPeakStats(DeviceIndex device);

@@ -8,6 +8,7 @@
 
 #include "core/KilnEvent.h"
 #include "core/KilnFunctions.h"
+#include "core/KilnGraph.h"
 
 namespace c10::kiln {
 
@@ -47,7 +48,9 @@ void KilnGeneratorImpl::waitForLaunchedKernels() const {
     std::lock_guard<std::mutex> lock(launch_mutex_);
     last = last_stream_;
   }
-  if (last.has_value()) {
+  // Kernels captured into a kiln graph do not run until replayed: nothing
+  // to wait for (and a capturing stream refuses event records).
+  if (last.has_value() && !isStreamCapturing(*last)) {
     // An event captures the work launched so far without consuming the
     // stream's pending errors (those belong to the next synchronize).
     KilnEvent event;
@@ -58,12 +61,25 @@ void KilnGeneratorImpl::waitForLaunchedKernels() const {
 
 at::Generator KilnGeneratorImpl::engineForLaunch(const KilnStream& stream) {
   std::lock_guard<std::mutex> lock(launch_mutex_);
-  if (last_stream_.has_value() && *last_stream_ != stream) {
+  if (last_stream_.has_value() && *last_stream_ != stream && !isStreamCapturing(*last_stream_)) {
+    // (Captured random kernels on a capturing last stream consume nothing
+    // now: no ordering is needed, and that stream refuses event records.)
     KilnEvent event;
     event.record(*last_stream_);
-    event.block(stream);
+    if (C10_UNLIKELY(isStreamCapturing(stream))) {
+      // A capture cannot wait for another stream's pending work; the host
+      // does, so the captured kernels (which run at replay, later still)
+      // follow it (Note [Kiln graphs]).
+      event.synchronize();
+    } else {
+      event.block(stream);
+    }
   }
   last_stream_ = stream;
+  if (C10_UNLIKELY(anyCaptureUnderway())) {
+    // Replays of the capture order this generator too (Note [Kiln graphs]).
+    noteCapturedGenerator(stream, at::Generator(c10::intrusive_ptr<c10::GeneratorImpl>::reclaim_copy(this)));
+  }
   return engine_;
 }
 

@@ -19,6 +19,7 @@
 #include "core/KilnStream.h"
 #include "python/DistributedBindings.h"
 #include "python/GeneratedKernelBindings.h"
+#include "python/GraphBindings.h"
 #include "python/HostWaitInterrupts.h"
 #include "python/MemoryTools.h"
 #include "python/StorageSharing.h"
@@ -70,6 +71,7 @@ PYBIND11_MODULE(_C, m) {
   torch_kiln::bindStorageSharing(m);
   torch_kiln::bindGeneratedKernels(m);
   torch_kiln::bindDistributed(m);
+  torch_kiln::bindGraphs(m);
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
