@@ -13,35 +13,25 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from torchrun_job import leftover_kccl_segments, run_job, torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_apis_worker.py")
 TIMEOUT = 300  # seconds per torchrun job
 
 
 def _torchrun(ranks: int, scenario: str, directory, env=None) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", WORKER, scenario, str(directory)]
     env = dict(os.environ if env is None else env, KILN_DEVICE_COUNT=str(max(ranks, 2)))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {scenario} did not finish within {TIMEOUT} s\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    code, out = run_job(torchrun_command(ranks, WORKER, scenario, str(directory)), TIMEOUT, env)
+    assert code == 0, out[-6000:]
     # Ranks share the pipe: look for the markers anywhere in it.
     ok = sorted(int(r) for r in re.findall(rf"APIS-OK {scenario} (\d+) {ranks}", out))
     assert ok == list(range(ranks)), out[-6000:]
-    leftovers = [n for n in os.listdir("/dev/shm")
-                 if n.startswith("kccl-") and not os.path.exists(f"/proc/{n.split('-')[1]}")]
-    assert leftovers == []
+    assert leftover_kccl_segments() == []
     return out
 
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from kccl_pool import COMMAND_TIMEOUT, RankPool, check_no_segments, kccl_segments, serve
+from torchrun_job import leftover_kccl_segments, run_job, torchrun_command
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
@@ -194,19 +192,11 @@ def test_torchrun_standalone(tmp_path):
     # init_process_group(backend="kccl") under torchrun --standalone.
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = dict(os.environ, KILN_DEVICE_COUNT="2")
-    proc = subprocess.Popen(torchrun, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {COMMAND_TIMEOUT} s\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    code, out = run_job(torchrun_command(2, str(script)), COMMAND_TIMEOUT, env)
+    assert code == 0, out[-4000:]
     # The ranks share the pipe with their warnings, whose writes may land
     # between parts of another line: find the markers anywhere.
     assert sorted(re.findall(r"KCCL-OK \d+ (kiln:\d+)", out)) == ["kiln:0", "kiln:1"], out
     # No segment of a process that has exited (the workers are gone by now).
-    assert [n for n in kccl_segments() if not os.path.exists(f"/proc/{n.split('-')[1]}")] == []
+    assert leftover_kccl_segments() == []

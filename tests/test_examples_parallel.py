@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
+
+from torchrun_job import leftover_kccl_segments, run_job, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_char_gpt.py")
@@ -28,20 +28,7 @@ SMALL = ["--max-steps", str(STEPS), "--layers", "2", "--width", "64", "--block-s
 
 
 def _run(command, env=None):
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish within {TIMEOUT} s\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def _leftover_segments():
-    return [n for n in os.listdir("/dev/shm")
-            if n.startswith("kccl-") and not os.path.exists(f"/proc/{n.split('-')[1]}")]
+    return run_job(command, TIMEOUT, env)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +44,8 @@ def one_process(tmp_path_factory):
 def test_parallel_matches_one_process(tmp_path, one_process, mode, ranks):
     path = tmp_path / "run.json"
     env = dict(os.environ, KILN_DEVICE_COUNT=str(ranks))
-    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                      f"--nproc_per_node={ranks}", SCRIPT, "--device", "kiln", *SMALL,
-                      "--parallel", mode, "--json", str(path)], env)
+    code, out = _run(torchrun_command(ranks, SCRIPT, "--device", "kiln", *SMALL,
+                                      "--parallel", mode, "--json", str(path)), env)
     assert code == 0, out[-4000:]
     assert f"{mode} over {ranks} ranks" in out
     result = json.loads(path.read_text())
@@ -69,7 +55,7 @@ def test_parallel_matches_one_process(tmp_path, one_process, mode, ranks):
         assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
     assert abs(result["val_loss"] - one_process["val_loss"]) <= 1e-5 * one_process["val_loss"]
     assert out.count("sample:") == 1  # only rank 0 reports
-    assert _leftover_segments() == []
+    assert leftover_kccl_segments() == []
 
 
 def _fake_torchrun_env(world: int, **extra) -> dict:
