@@ -426,7 +426,7 @@ def test_unwritable_cache_directory_names_the_variable(tmp_path, monkeypatch):
 def test_namespace_registers_each_kernel_as_an_operator():
     lib = kernels.load_inline("test_ns_ext", SCALE, SCALE_SIGNATURES, namespace="kiln_test_ns")
     assert str(torch.ops.kiln_test_ns.scale.default._schema) == \
-        "kiln_test_ns::scale(Tensor(a!) out, Tensor x, float alpha) -> ()"
+        "kiln_test_ns::scale(Tensor(a0!) out, Tensor x, float alpha) -> ()"
     x = torch.randn(64, device="kiln:1")
     out = torch.empty_like(x)
     torch.ops.kiln_test_ns.scale(out, x, 4.0)
@@ -529,6 +529,18 @@ def test_a_kernel_without_tensors_runs_on_the_current_device(fill_lib):
         fill_lib.count(-1)
     with pytest.raises(RuntimeError, match="negative count -1 on kiln:1"):
         torch.kiln.synchronize(1)
+
+
+def test_an_operator_with_more_than_26_written_tensors_gets_distinct_alias_sets():
+    many = ", ".join(f"float32[*]! t{i}" for i in range(30))
+    lib = kernels.load_inline("test_many_written_ext",  # kept: it owns the registration
+                              "#include <kiln/kernel.h>\nKILN_KERNEL(many) {}\n",
+                              [f"many({many})"], namespace="kiln_test_many")
+    schema = torch.ops.kiln_test_many.many.default._schema
+    aliases = [a.alias_info for a in schema.arguments]
+    assert all(a is not None and a.is_write for a in aliases)
+    assert len({next(iter(a.before_set)) for a in aliases}) == 30  # no two share a set
+    assert lib.namespace == "kiln_test_many"
 
 
 def test_more_bad_declarations():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Sequence
 
 from torch_kiln.kernels import build
@@ -10,11 +11,18 @@ from torch_kiln.kernels.launch import Kernel
 from torch_kiln.kernels.signature import parse
 
 
+def alias_names():
+    """Alias-set names for a schema's written tensors: a0, a1, ... (distinct:
+    written tensors are not aliases of one another; any number of them).
+    Shared by part 1's kernels and kl's (torch_kiln.kl.jit)."""
+    return (f"a{i}" for i in itertools.count())
+
+
 def operator_schema(signature) -> str:
     """The torch.library schema of a kernel: its arguments in order, written
-    tensors as mutated (``Tensor(a!)``), no returns (outputs are passed in),
-    e.g. ``scale(Tensor(a!) out, Tensor x, float alpha) -> ()``."""
-    parts, aliases = [], iter("abcdefghijklmnopqrstuvwxyz")
+    tensors as mutated (``Tensor(a0!)``), no returns (outputs are passed in),
+    e.g. ``scale(Tensor(a0!) out, Tensor x, float alpha) -> ()``."""
+    parts, aliases = [], alias_names()
     for argument in signature.arguments:
         if argument.kind == "tensor":
             parts.append(f"Tensor({next(aliases)}!) {argument.name}" if argument.written

@@ -41,6 +41,7 @@ import threading
 
 import torch
 
+from torch_kiln.kernels.library import alias_names
 from torch_kiln.kl import ir, lowering, tile_model, tracer
 from torch_kiln.kl.errors import KernelError
 from torch_kiln.kl.language import constexpr
@@ -137,7 +138,7 @@ class JITFunction:
                     break
                 name = f"{base}_{k}"
             _NAMES.add(name)
-        parts, aliases = [], iter("abcdefghijklmnopqrstuvwxyz" * 4)
+        parts, aliases = [], alias_names()
         for p in self.params:
             if p.kind == "tensor":
                 parts.append(f"Tensor({next(aliases)}!) {p.name}" if p.written
