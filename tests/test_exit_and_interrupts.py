@@ -190,3 +190,33 @@ def test_interrupted_blocking_pinned_copy_does_not_reach_the_blocks_next_owner(
     lines = result.stdout.splitlines()
     assert lines[0] == "KeyboardInterrupt", result.stdout
     assert lines[1] == f"[55.0] {expected_k}", result.stdout
+
+
+# std::terminate on a stream worker: a task whose function is std::terminate
+# itself, launched through the runtime's C API (as a kernel that destroys a
+# joinable std::thread, or a forced unwind through a destructor, would end).
+TERMINATE_SCRIPT = """
+import ctypes, os, torch, torch_kiln
+torch.ones(1, device="kiln")  # initialise kiln (installs the report)
+rt = ctypes.CDLL(os.path.join(os.path.dirname(torch_kiln._C.__file__), "libkilnrt.so"))
+terminate = ctypes.cast(ctypes.CDLL("libstdc++.so.6")._ZSt9terminatev, ctypes.c_void_p)
+stream = ctypes.c_void_p()
+assert rt.kilnStreamCreateWithPriority(ctypes.byref(stream), 0, 0) == 0
+rt.kilnLaunchTask.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_char_p]
+assert rt.kilnLaunchTask(stream, terminate, None, None, b"terminates") == 0
+rt.kilnStreamSynchronize.argtypes = [ctypes.c_void_p]
+rt.kilnStreamSynchronize(stream)
+print("not reached", flush=True)
+"""
+
+
+def test_std_terminate_on_a_kiln_thread_names_the_thread_and_its_backtrace():
+    # Note [Reporting std::terminate]: the process still aborts, but says on
+    # which thread and where, before libstdc++'s own message.
+    result = run_python(TERMINATE_SCRIPT)
+    assert result.returncode == -6, (result.returncode, result.stdout, result.stderr)
+    assert "not reached" not in result.stdout
+    err = result.stderr
+    assert "torch_kiln: std::terminate called on thread 'kiln-stream'" in err, err
+    assert "without an active exception" in err and "C++ backtrace:" in err, err
+    assert err.index("torch_kiln: std::terminate") < err.index("terminate called without"), err

@@ -23,6 +23,7 @@
 #include "python/HostWaitInterrupts.h"
 #include "python/MemoryTools.h"
 #include "python/StorageSharing.h"
+#include "python/TerminateReport.h"
 
 namespace py = pybind11;
 
@@ -68,6 +69,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   torch_kiln::installHostWaitInterrupts();
+  torch_kiln::installTerminateReport();
   torch_kiln::bindStorageSharing(m);
   torch_kiln::bindGeneratedKernels(m);
   torch_kiln::bindDistributed(m);
