@@ -370,6 +370,38 @@ def s_groups(args):
     return out
 
 
+def s_shutdown(args):
+    """destroy_process_group() shuts the group's kccl backend down: it waits
+    for the operation in flight, completes its Future (running a Python
+    callback), and the backend refuses later operations with a clear error."""
+    from torch_kiln import _C
+
+    g = dist.new_group(backend="kccl")
+    backend = g._get_backend(DEVICE)
+    t = torch.zeros(1000, device=DEVICE)
+    _C._sleep(300.0)  # device work the collective waits for
+    t.fill_(RANK + 1.0)
+    work = dist.all_reduce(t, group=g, async_op=True)
+    seen = []
+    chained = work.get_future().then(lambda fut: seen.append(fut.value()[0].sum().item()))
+    dist.destroy_process_group(g)  # returns once the all_reduce has run
+    assert work.is_completed(), "destroy_process_group returned before its all_reduce finished"
+    chained.wait()
+    total = 1000.0 * sum(range(1, WORLD + 1))
+    assert seen == [total], f"the Future's callback saw {seen}, expected [{total}]"
+    check_equal(t, torch.full((1000,), total / 1000), "all_reduce completed by the shutdown")
+    try:
+        backend.allreduce([t])
+    except dist.DistBackendError as error:
+        message = str(error)
+    else:
+        raise AssertionError("an all_reduce on a shut-down kccl backend did not raise")
+    assert "kccl: all_reduce: the process group was shut down" in message, message
+    backend.shutdown()  # a second shutdown is a no-op
+    dist.barrier()
+    return message.splitlines()[0]
+
+
 def s_ddp(args):
     """DistributedDataParallel on kiln against one process with the global batch."""
     torch.manual_seed(0)

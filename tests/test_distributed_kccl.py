@@ -95,6 +95,11 @@ def test_other_backend_strings_and_groups(pool2):
     assert out[0] == {"kccl": "kccl", "cpu:gloo,kiln:kccl": "cpu:gloo,kiln:kccl"}
 
 
+def test_destroy_process_group_shuts_the_backend_down(pool2):
+    messages = pool2.run("shutdown")
+    assert all("was shut down" in m for m in messages), messages
+
+
 def test_rank_that_never_arrives_times_out(pool2):
     start = time.monotonic()
     out = pool2.run("timeout", seconds=3)
@@ -186,6 +191,44 @@ assert torch.equal(t.cpu(), torch.full((3,), 3.0)), t
 print(f"KCCL-OK {dist.get_rank()} {t.device}", flush=True)  # one write: lines never interleave
 dist.destroy_process_group()
 """
+
+
+EXIT_SCRIPT = """
+import atexit, os, torch, torch.distributed as dist
+torch.kiln.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(backend="kccl")
+store = dist.distributed_c10d._get_default_store()
+t = torch.ones(1 << 16, device="kiln")
+dist.all_reduce(t)
+torch.kiln.synchronize()
+if dist.get_rank() == 1:
+    store.wait(["rank0-exiting"])  # join the all_reduce once rank 0 is exiting
+    dist.all_reduce(t)
+    torch.kiln.synchronize()
+    print("EXIT-OK 1", flush=True)
+else:
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future().then(lambda f: None)  # a Python callback, never waited for
+    del t, work
+    garbage = [[i] for i in range(300_000)]  # interpreter finalization takes a while
+    atexit.register(lambda: store.set("rank0-exiting", "1"))
+    print("EXIT-OK 0", flush=True)
+"""
+
+
+def test_exit_with_a_collective_in_flight(tmp_path):
+    # Rank 0 exits without waiting for an async all_reduce with a Python
+    # callback; rank 1 joins it only once rank 0 runs its atexit handlers, so
+    # it completes while rank 0 shuts down. Both must exit cleanly: no abort
+    # ("terminate called ...", Note [kccl completion thread]), no hang.
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, KILN_DEVICE_COUNT="2")
+    code, out = run_job(torchrun_command(2, str(script)), COMMAND_TIMEOUT, env)
+    assert code == 0, out[-4000:]
+    assert "terminate called" not in out and "std::terminate" not in out, out[-4000:]
+    assert sorted(re.findall(r"EXIT-OK (\d)", out)) == ["0", "1"], out[-4000:]
+    assert leftover_kccl_segments() == []
 
 
 def test_torchrun_standalone(tmp_path):

@@ -32,6 +32,7 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import os
@@ -73,9 +74,20 @@ def _create_backend(dist_backend_opts, backend_options):
     gloo_leaders = gloo_all = None
     if len(hosts) > 1:
         gloo_leaders, gloo_all = _gloo_between_hosts(store, rank, hosts, timeout_ms, group_name)
-    return _C._kccl_create_backend(
+    backend = _C._kccl_create_backend(
         store, rank, size, timeout_ms, group_name, hosts, gloo_leaders, gloo_all
     )
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        # Registered after torch.kiln's own handler, so it runs before it.
+        atexit.register(_C._kccl_abandon_completions_at_exit)
+        _exit_handler_registered = True
+    return backend
+
+
+# Note [kccl completion thread] (ProcessGroupKCCL.cc): before the interpreter
+# finalizes, every group's completion thread ends, leaving unfinished Works.
+_exit_handler_registered = False
 
 
 # The host layout of each kccl group made by this process, by group name.

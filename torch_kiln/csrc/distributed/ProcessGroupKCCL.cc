@@ -8,6 +8,8 @@
 #include <sstream>
 #include <thread>
 
+#include <pthread.h>
+
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -87,11 +89,13 @@ struct KcclShared {
     return c10::kiln::getStreamFromExternal(it->second, device);
   }
 
-  // Completes Works' Futures once their tasks ran, off the stream workers.
+  // Completes Works' Futures once their tasks ran, off the stream workers
+  // (Note [kccl completion thread]).
   std::mutex completion_mutex;
   std::condition_variable completion_cv;
   std::deque<c10::intrusive_ptr<WorkKCCL>> completion_queue;
-  bool stopping = false;
+  bool stopping = false;   // shutdown(): complete what is queued, then end
+  bool abandoning = false; // exit: end now, leaving unfinished Works
   std::thread completion_thread;
 
   void startCompletionThread() {
@@ -104,25 +108,83 @@ struct KcclShared {
     }
     completion_cv.notify_one();
   }
+  bool abandoned() {
+    std::lock_guard<std::mutex> lock(completion_mutex);
+    return abandoning;
+  }
   void completionLoop() {
+    pthread_setname_np(pthread_self(), "kccl-complete");
     for (;;) {
       c10::intrusive_ptr<WorkKCCL> work;
       {
         std::unique_lock<std::mutex> lock(completion_mutex);
-        completion_cv.wait(lock, [&] { return stopping || !completion_queue.empty(); });
-        if (completion_queue.empty()) {
+        completion_cv.wait(lock,
+                           [&] { return stopping || abandoning || !completion_queue.empty(); });
+        if (abandoning || completion_queue.empty()) {
           return;
         }
         work = std::move(completion_queue.front());
         completion_queue.pop_front();
       }
-      work->state()->waitFinished(kNoTimeout);
+      while (!work->state()->waitFinished(std::chrono::milliseconds(100))) {
+        if (abandoned()) {
+          leaveAtExit(std::move(work));
+          return;
+        }
+      }
       if (auto error = work->state()->error()) {
         work->future()->setErrorIfNeeded(error);
       } else {
         work->future()->markCompleted(c10::IValue(work->outputs()));
       }
     }
+  }
+  void joinCompletionThread() {
+    completion_cv.notify_all();
+    if (completion_thread.joinable() &&
+        completion_thread.get_id() != std::this_thread::get_id()) {
+      completion_thread.join();
+    }
+  }
+
+  // shutdown(): waits for the tasks issued on the communication streams
+  // (each ends within its deadline), then completes their Futures and ends
+  // the completion thread. Errors were reported by the Works.
+  void finishAndStop() {
+    {
+      std::lock_guard<std::mutex> lock(streams_mutex);
+      for (auto& [device, handle] : streams) {
+        (void)kilnStreamSynchronize(handle);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(completion_mutex);
+      stopping = true;
+    }
+    joinCompletionThread();
+  }
+
+  // At interpreter exit: ends the completion thread without waiting for
+  // unfinished Works; they and the queue are left to process exit
+  // (Note [kccl completion thread]).
+  void abandonAtExit() {
+    std::deque<c10::intrusive_ptr<WorkKCCL>> left;
+    {
+      std::lock_guard<std::mutex> lock(completion_mutex);
+      abandoning = true;
+      left.swap(completion_queue);
+    }
+    joinCompletionThread();
+    for (auto& work : left) {
+      leaveAtExit(std::move(work));
+    }
+  }
+  // Keeps `work` (and the user's tensors it holds) alive until process exit.
+  static void leaveAtExit(c10::intrusive_ptr<WorkKCCL> work) {
+    static std::mutex mutex;
+    static auto* kept = new std::vector<c10::intrusive_ptr<WorkKCCL>>(); // never freed
+    std::lock_guard<std::mutex> lock(mutex);
+    kept->push_back(std::move(work));
   }
 
   ~KcclShared() {
@@ -135,12 +197,63 @@ struct KcclShared {
       std::lock_guard<std::mutex> lock(completion_mutex);
       stopping = true;
     }
-    completion_cv.notify_all();
-    if (completion_thread.joinable()) {
-      completion_thread.join();
-    }
+    joinCompletionThread();
+  }
+
+  // Every KcclShared made, for abandonAllKcclCompletionsAtExit().
+  static std::mutex& registryMutex() {
+    static std::mutex mutex;
+    return mutex;
+  }
+  static std::vector<std::weak_ptr<KcclShared>>& registry() {
+    static auto* made = new std::vector<std::weak_ptr<KcclShared>>(); // outlives static destructors
+    return *made;
+  }
+  static void registerShared(const std::shared_ptr<KcclShared>& shared) {
+    std::lock_guard<std::mutex> lock(registryMutex());
+    auto& made = registry();
+    made.erase(std::remove_if(made.begin(), made.end(), [](const auto& w) { return w.expired(); }),
+               made.end());
+    made.push_back(shared);
   }
 };
+
+// Note [kccl completion thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each group has one thread that completes its Works' Futures (get_future())
+// once their tasks ran, so no stream worker waits on user callbacks. Those
+// callbacks, and the user's tensors a finished Work holds, may need the GIL
+// (a Python callback of Future.then(); a tensor whose Python object outlives
+// its last Python reference is freed with a decref). A thread that asks for
+// the GIL while CPython finalizes is ended with pthread_exit, whose forced
+// unwind through a destructor is std::terminate: a program that finished
+// aborted at exit. So the thread never outlives the interpreter:
+//   * shutdown() (destroy_process_group calls it, with the GIL released)
+//     waits for the issued tasks, completes their Futures and joins it;
+//     later collectives on the group raise.
+//   * An atexit handler (torch_kiln/distributed/__init__.py) calls
+//     abandonAllKcclCompletionsAtExit() before finalization: each thread
+//     ends after the Work it is completing, and Works not finished yet are
+//     kept, never completed, until the process ends.
+
+void abandonAllKcclCompletionsAtExit() {
+  std::vector<std::shared_ptr<KcclShared>> live;
+  {
+    std::lock_guard<std::mutex> lock(KcclShared::registryMutex());
+    for (const auto& weak : KcclShared::registry()) {
+      if (auto shared = weak.lock()) {
+        live.push_back(std::move(shared));
+      }
+    }
+  }
+  for (const auto& shared : live) {
+    shared->abandonAtExit();
+  }
+  // Not released here: the last reference would destroy the group on this
+  // thread, waiting for its streams' unfinished tasks.
+  static auto* kept = new std::vector<std::shared_ptr<KcclShared>>();
+  kept->insert(kept->end(), live.begin(), live.end());
+}
 
 // One collective: what the task reads and writes, and what it does with them.
 struct CollectiveCall {
@@ -452,6 +565,7 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
     cross_ = std::make_shared<CrossHost>(std::move(layout), std::move(gloo_leaders),
                                          std::move(gloo_all));
   }
+  KcclShared::registerShared(shared_);
   shared_->startCompletionThread();
 }
 
@@ -465,7 +579,16 @@ std::chrono::milliseconds ProcessGroupKCCL::timeoutFor(std::chrono::milliseconds
   return requested == kUnsetTimeout || requested.count() <= 0 ? timeout_ : requested;
 }
 
+void ProcessGroupKCCL::shutdown() {
+  if (!shut_down_.exchange(true)) {
+    shared_->finishAndStop();
+  }
+}
+
 c10::intrusive_ptr<Work> ProcessGroupKCCL::enqueue(CollectiveCall call, bool blocking) {
+  TORCH_CHECK_WITH(DistBackendError, !shut_down_.load(), "kccl: ", call.name,
+                   ": the process group was shut down (destroy_process_group); create a new "
+                   "one with init_process_group or new_group");
   shared_->group.checkNotBroken(); // fail fast, on the calling thread
   std::lock_guard<std::mutex> issue(issue_mutex_);
   const c10::Device device = call.device;

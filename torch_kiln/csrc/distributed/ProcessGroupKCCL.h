@@ -36,6 +36,8 @@
 // order they were issued (Note [kccl issue order], ProcessGroupKCCL.cc).
 #pragma once
 
+#include <atomic>
+
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -127,6 +129,13 @@ class ProcessGroupKCCL : public c10d::Backend {
   // progress together; endCoalescing() returns its Work. Collectives issued
   // inside the block run as they are issued.
   bool supportsCoalescing() const override { return true; }
+
+  // destroy_process_group() calls this (GIL released): waits for the
+  // operations issued on the group (each ends within its timeout), completes
+  // their Futures and stops the group's completion thread (Note [kccl
+  // completion thread]). Later operations raise DistBackendError.
+  // Idempotent.
+  void shutdown() override;
   void startCoalescing() override;
   c10::intrusive_ptr<Work> endCoalescing() override;
 
@@ -151,6 +160,7 @@ class ProcessGroupKCCL : public c10d::Backend {
   uint64_t p2p_seq_ = 0; // send/recv's, numbered apart as in NCCL
   uint64_t order_ = 0;   // every operation, in issue order (Note [kccl issue order])
   std::mutex issue_mutex_;
+  std::atomic<bool> shut_down_{false};
   c10::DeviceIndex last_device_ = 0; // barrier's device: the last one used
   // Coalescing state (batch_isend_irecv), guarded by p2p_mutex_.
   std::mutex p2p_mutex_;
@@ -158,5 +168,10 @@ class ProcessGroupKCCL : public c10d::Backend {
   std::vector<PendingP2P> pending_p2p_;
   c10::intrusive_ptr<Work> coalesced_last_;
 };
+
+// At interpreter exit, before finalization (an atexit handler calls it with
+// the GIL released): ends every group's completion thread without waiting for
+// unfinished operations (Note [kccl completion thread]).
+void abandonAllKcclCompletionsAtExit();
 
 } // namespace c10d::kiln

@@ -32,6 +32,9 @@ void bindDistributed(pybind11::module& m) {
       pybind11::arg("hosts") = std::vector<std::vector<int>>{},
       pybind11::arg("gloo_leaders") = pybind11::none(), pybind11::arg("gloo_all") = pybind11::none(),
       pybind11::call_guard<pybind11::gil_scoped_release>());
+  // torch_kiln.distributed's atexit handler (Note [kccl completion thread]).
+  m.def("_kccl_abandon_completions_at_exit", &c10d::kiln::abandonAllKcclCompletionsAtExit,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 } // namespace torch_kiln
