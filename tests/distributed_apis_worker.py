@@ -225,7 +225,12 @@ def failed_read(directory: str, rank: int, world: int) -> bool:
     failed eager kernel's output does; reading again says it was raised
     before; synchronize has nothing left to raise. Returns True: the group
     is unusable afterwards (as an aborted NCCL communicator), so no barrier."""
+    from torch_kiln import _C
+
     x = torch.ones(3 + rank, device="kiln")
+    # The collective runs after this device work, so it fails only after
+    # all_reduce returned (Work.wait() raises a failure it already sees).
+    _C._sleep(1000.0)
     dist.all_reduce(x)
     try:
         x.tolist()
