@@ -28,7 +28,7 @@ test-runtime: deps
 	ctest --test-dir $(RUNTIME_BUILD) --output-on-failure
 
 test-python: build
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests --durations=30
 
 test: test-runtime test-python
 
