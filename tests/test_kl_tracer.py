@@ -269,6 +269,14 @@ def test_bad_calls(device):
         fill[(-1,)](out, 1.0, BLOCK=4)
     with pytest.raises(ValueError, match="the grid has 4 dims"):
         fill[(1, 1, 1, 1)](out, 1.0, BLOCK=4)
+    # CUDA's grid limits: refused at the launch, not run for hours.
+    with pytest.raises(ValueError, match=r"has 1099511627776 programs on axis 0; at most "
+                                         r"2147483647 are allowed"):
+        fill[(2**40,)](out, 1.0, BLOCK=4)
+    with pytest.raises(ValueError, match="65536 programs on axis 1; at most 65535"):
+        fill[(1, 65536)](out, 1.0, BLOCK=4)
+    with pytest.raises(ValueError, match="65536 programs on axis 2; at most 65535"):
+        fill[(1, 1, 65536)](out, 1.0, BLOCK=4)
     fill[(1,)](out, 2.5, BLOCK=4)
     assert torch.equal(out.cpu(), torch.full((4,), 2.5))
 

@@ -94,6 +94,11 @@ def _analyse(fn) -> tuple[set[str], set[str]]:
     return tensors, written
 
 
+# The largest grid a launch may have, per axis: CUDA's limits on a grid's x, y
+# and z dimensions (CUDA C++ Programming Guide, "Features and Technical
+# Specifications", maximum x-/y-/z-dimension of a grid), as Triton has them.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+
 class JITFunction:
     """A kl kernel; launch with ``kernel[grid](*args)``. ``op`` is its
     torch.library operator; ``source(*args, grid=...)`` the generated C++
@@ -225,6 +230,11 @@ class JITFunction:
             if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
                 raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
                                  "non-negative ints")
+        for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
+            if g > limit:
+                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} has {g} programs "
+                                 f"on axis {axis}; at most {limit} are allowed there (CUDA's "
+                                 f"grid limits, {MAX_GRID})")
         return values, tuple(int(g) for g in grid)
 
     def _spec(self, values):
