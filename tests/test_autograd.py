@@ -2,6 +2,7 @@
 retain_graph, hooks, no_grad, inference_mode, gradient accumulation, and
 weight tying across .to("kiln")."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -62,6 +63,42 @@ def test_no_grad_and_inference_mode():
     with torch.inference_mode():
         z = x * 3
     assert z.is_inference() and z.sum().item() == 9.0
+
+
+# Factories whose CPU kernel resizes and fills an out= tensor (arange, eye,
+# range), and modules built on them, under torch.inference_mode(): the host
+# tensors kiln makes there are inference tensors, which the kernel on the
+# stream worker may fill only in inference mode (Note [Kiln tasks run in the
+# issuer's inference mode]). Each case runs first inside the mode (no layout
+# cached yet), then again; on kiln:0 and kiln:1, default and side stream.
+INFERENCE_CASES = {
+    "arange float": lambda d: torch.arange(4.0, device=d),
+    "arange long (position ids)": lambda d: torch.arange(0, 6, dtype=torch.long,
+                                                         device=d).unsqueeze(0),
+    "arange step": lambda d: torch.arange(1, 2.5, 0.25, device=d),
+    "eye": lambda d: torch.eye(3, 5, device=d),
+    "range": lambda d: torch.range(0, 3, device=d),
+    "linspace": lambda d: torch.linspace(0, 1, 7, device=d),
+    "EmbeddingBag": lambda d: nn.EmbeddingBag(10, 3, mode="sum").to(d)(
+        torch.tensor([1, 2, 4, 5, 4, 3], device=d), torch.tensor([0, 3], device=d)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.range is deprecated")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+def test_factories_and_modules_under_inference_mode(device, side_stream):
+    for name, make in INFERENCE_CASES.items():
+        torch.manual_seed(0)
+        want = make("cpu")
+        for attempt in range(2):
+            torch.manual_seed(0)
+            stream = torch.kiln.Stream(device) if side_stream else torch.kiln.current_stream(device)
+            with torch.inference_mode(), torch.kiln.stream(stream):
+                got = make(device)
+                assert got.is_inference(), name
+                assert_same(got.cpu(), want), f"{name}, call {attempt}"
+            torch.kiln.synchronize(device)
 
 
 def test_tied_weights_stay_tied_after_to():

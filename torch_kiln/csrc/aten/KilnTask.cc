@@ -1,8 +1,10 @@
 #include "aten/KilnTask.h"
 
 #include <exception>
+#include <optional>
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include "core/DeviceWarnings.h"
@@ -15,6 +17,7 @@ namespace {
 struct TaskRecord {
   std::unique_ptr<TaskBody> body;
   int threads; // Note [Intra-op threads of kiln kernels]
+  bool inference_mode; // Note [Kiln tasks run in the issuer's inference mode]
   bool ran = false;
   bool captured = false; // recorded into a kiln graph: released unrun is no skip
 };
@@ -25,6 +28,10 @@ kilnError_t runTask(void* user_data) {
   try {
     prepareWorkerThread(record->threads);
     c10::kiln::DeviceWarningCollector warnings;
+    std::optional<c10::InferenceMode> inference_mode;
+    if (record->inference_mode) {
+      inference_mode.emplace();
+    }
     record->body->run();
     return kilnSuccess;
   } catch (const std::exception& e) {
@@ -71,7 +78,8 @@ void prepareWorkerThread(int threads) {
 
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body) {
-  auto* record = new TaskRecord{std::move(body), issuingThreadCount()};
+  auto* record =
+      new TaskRecord{std::move(body), issuingThreadCount(), c10::InferenceMode::is_enabled()};
   record->captured =
       C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, record, name));

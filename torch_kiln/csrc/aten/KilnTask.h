@@ -46,6 +46,15 @@ struct TaskBody {
 // torch.set_num_threads(n) reaches kiln kernels issued after it, as it
 // reaches CPU kernels.
 
+// Note [Kiln tasks run in the issuer's inference mode]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Host tensors a kiln op makes for its CPU kernel under
+// torch.inference_mode() are inference tensors, which ATen lets a kernel
+// update in place only inside inference mode (arange, eye and other
+// factories resize and fill their out= tensor). The mode is thread-local,
+// so every task records whether its issuing thread was in inference mode
+// and runs inside InferenceMode if it was, as the CPU kernel would have.
+
 // The intra-op thread count a task launched now should run with: the
 // calling thread's at::get_num_threads().
 int issuingThreadCount();

@@ -40,7 +40,6 @@
 #include <ATen/ops/values_native.h>
 #include <ATen/ops/zero_native.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -429,15 +428,13 @@ void runSparseOp(const c10::OperatorHandle& op, Stack* stack, c10::DispatchKey c
     std::exception_ptr error;
   };
   auto outcome = std::make_shared<Outcome>();
-  // Stand-ins made under torch.inference_mode() are inference tensors, which
-  // kernels may update in place only in inference mode: the task runs in the
-  // caller's mode.
-  const bool inference_mode = c10::InferenceMode::is_enabled();
+  // Stand-ins made under torch.inference_mode() are inference tensors; the
+  // task runs in the caller's mode (Note [Kiln tasks run in the issuer's
+  // inference mode] in KilnTask.h).
   launchTask(stream, schema.name().c_str(),
-             [op, args = std::move(host_args), staging = mapping.takeStaging(), outcome,
-              inference_mode]() mutable {
+             [op, args = std::move(host_args), staging = mapping.takeStaging(),
+              outcome]() mutable {
                try {
-                 const c10::InferenceMode mode(inference_mode);
                  for (auto& [destination, source] : staging) {
                    destination.copy_(source);
                  }
