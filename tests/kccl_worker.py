@@ -335,6 +335,34 @@ def s_timeout(args):
     return out
 
 
+def s_late_rank(args):
+    """Rank 1 joins an all_reduce after rank 0 timed out on it: rank 1 must
+    fail too (Note [kccl broken groups]), not complete it with rank 0's
+    published data and carry on while rank 0 has given up."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
+    t = torch.full((8,), float(RANK + 1), device=DEVICE)
+    if RANK == 0:
+        fragments = ["timed out", "ranks [1] did not arrive"]
+    else:
+        time.sleep(args["seconds"] + 2.0)  # well after rank 0's deadline
+        fragments = ["all_reduce", "rank 0 gave up on this process group", "unusable"]
+
+    def run_and_read():
+        # Work.wait() in all_reduce raises a failure it already sees; else
+        # reading the output raises it.
+        dist.all_reduce(t, group=group)
+        t.cpu()
+
+    message = expect_error(RuntimeError, fragments, run_and_read)
+    try:
+        torch.kiln.synchronize()  # the stream's error, if all_reduce raised it first
+    except RuntimeError as e:
+        assert any(f in str(e) for f in fragments), str(e)
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return message
+
+
 def s_mismatch(args):
     group = dist.new_group(timeout=datetime.timedelta(seconds=args["seconds"]))
     t = torch.ones(4 + 4 * RANK, device=DEVICE)

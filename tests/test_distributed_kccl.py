@@ -107,6 +107,12 @@ def test_rank_that_never_arrives_times_out(pool2):
     assert 2.5 < out[0]["seconds"] < 30, out[0]
 
 
+def test_rank_arriving_after_a_peer_timed_out_fails_too(pool2):
+    messages = pool2.run("late_rank", seconds=2)
+    assert "did not arrive" in messages[0], messages
+    assert "rank 0 gave up on this process group" in messages[1], messages
+
+
 def test_input_from_a_failed_kernel(pool2):
     texts = pool2.run("failed_input", seconds=3)
     assert "index out of range" in texts[0], texts[0]

@@ -47,6 +47,8 @@ struct ShmGroup::Header {
   alignas(64) std::atomic<uint64_t> done;
   alignas(64) std::atomic<uint64_t> entered_seq; // last collective entered
   std::atomic<int32_t> entered_kind;
+  // Set by this rank when it timed out in a step (Note [kccl broken groups]).
+  std::atomic<int32_t> broken;
   // The collective of step `ready` (valid between its ready and done).
   alignas(64) uint64_t seq;
   int32_t kind;
@@ -193,14 +195,44 @@ void ShmGroup::checkNotBroken() const {
                    error);
 }
 
-void ShmGroup::breakWith(const std::string& message) {
+// Note [kccl broken groups]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Mismatches and bad data are found by every rank from the same shared data,
+// so every rank fails the same collective. A timeout is one rank's verdict:
+// the rank that waited gives up, while a late peer reaching the step would
+// find the data the waiting rank had already published, complete it and carry
+// on (a late rank's all_reduce returned a result after its peer timed out).
+// So a rank that times out in a collective's step also says so in its own
+// header, and a step checks the peers' flags once the counters it waited for
+// arrived (for the data, after checking that every rank runs the same
+// collective) and fails, breaking its own group too, naming the rank that gave
+// up. A timeout that comes after a peer passed that check is not seen by it:
+// as with NCCL, a timeout on one rank can race with a late success on another.
+void ShmGroup::breakWith(const std::string& message, bool tell_peers) {
   {
     std::lock_guard<std::mutex> lock(error_mutex_);
     if (first_error_.empty()) {
       first_error_ = message;
     }
   }
+  if (tell_peers && segments_.size() == static_cast<size_t>(size_) &&
+      segments_[rank_].data() != nullptr) {
+    header(rank_)->broken.store(1, std::memory_order_release);
+  }
   TORCH_CHECK_WITH(DistBackendError, false, message);
+}
+
+void ShmGroup::checkPeersNotBroken(const CollectiveDescription& what) {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && header(r)->broken.load(std::memory_order_acquire) != 0) {
+      breakWith("kccl: " + std::string(what.name) + " (sequence number " +
+                std::to_string(what.seq) + ") on rank " + std::to_string(groupRank(rank_)) +
+                ": rank " + std::to_string(groupRank(r)) +
+                " gave up on this process group after timing out in an earlier step (see that "
+                "rank's error); the ranks no longer agree, so the group is unusable (as an "
+                "aborted NCCL communicator). Destroy it and create a new one.");
+    }
+  }
 }
 
 void ShmGroup::enter(const CollectiveDescription& what) {
@@ -306,6 +338,9 @@ void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDesc
   };
   for (int i = 0; i < 2000; ++i) {
     if (firstMissing() < 0) {
+      if (!ready_counter) {
+        checkPeersNotBroken(what);
+      }
       return;
     }
     KCCL_CPU_RELAX();
@@ -315,6 +350,9 @@ void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDesc
   const auto yield_until = Clock::now() + std::chrono::microseconds(200);
   while (Clock::now() < yield_until) {
     if (firstMissing() < 0) {
+      if (!ready_counter) {
+        checkPeersNotBroken(what);
+      }
       return;
     }
     std::this_thread::yield();
@@ -329,12 +367,15 @@ void ShmGroup::waitAll(bool ready_counter, uint64_t target, const CollectiveDesc
           missing.push_back(k);
         }
       }
-      breakWith(timeoutMessage(what, missing, stage));
+      breakWith(timeoutMessage(what, missing, stage), /*tell_peers=*/true);
     }
     const uint64_t seen = counter(r).load(std::memory_order_acquire);
     if (seen < target) {
       futexWait(counter(r), seen, deadline - now);
     }
+  }
+  if (!ready_counter) {
+    checkPeersNotBroken(what);
   }
 }
 
@@ -384,7 +425,8 @@ void ShmGroup::step(const CollectiveDescription& what, Clock::time_point deadlin
   own->ready.store(s, std::memory_order_release);
   futexWake(own->ready);
   waitAll(/*ready_counter=*/true, s, what, deadline, "waiting for their data");
-  checkSame(what);
+  checkSame(what); // a mismatch is reported as such, before a peer's break
+  checkPeersNotBroken(what);
   try {
     if (consume) {
       consume();

@@ -169,11 +169,15 @@ class ShmGroup {
   static bool spinUntil(const std::function<bool()>& arrived, Clock::time_point deadline);
   std::string timeoutMessage(const CollectiveDescription& what, const std::vector<int>& missing,
                              const char* stage) const;
+  // Breaks this group if a peer timed out in a step (Note [kccl broken groups]).
+  void checkPeersNotBroken(const CollectiveDescription& what);
   // Waits until `value(r) >= target` for every rank r; throws on the deadline.
   void waitAll(bool ready_counter, uint64_t target, const CollectiveDescription& what,
                Clock::time_point deadline, const char* stage);
   void checkSame(const CollectiveDescription& what) const;
-  [[noreturn]] void breakWith(const std::string& message);
+  // Records the first error and throws it; with tell_peers (a timeout in a
+  // step), also flags it in this rank's header (Note [kccl broken groups]).
+  [[noreturn]] void breakWith(const std::string& message, bool tell_peers = false);
 
   int rank_;
   int size_;
