@@ -98,6 +98,20 @@ def test_bias_gelu_forward_and_backward_match_pytorch(device):
     close(bias.grad, rb.grad)
 
 
+@pytest.mark.parametrize("cols", [1024, 1001])
+def test_bias_gelu_large_outputs_take_streaming_stores(cols):
+    # 8 MiB and more: the forward writes with streaming stores
+    # (kStreamingBytes); with 1001 columns some rows start unaligned and
+    # take ordinary stores. Both give the values of small outputs.
+    rows = (8 << 20) // (4 * cols) + 1
+    x, bias = inputs("kiln", rows=rows, cols=cols)
+    out = bg.bias_gelu(x, bias)
+    close(out, bg.reference(x.cpu(), bias.cpu()))
+    # Row by row in outputs too small to stream: the same values bit for bit.
+    for r in (0, 1, rows // 2, rows - 1):
+        assert torch.equal(bg.bias_gelu(x[r:r + 1], bias).cpu(), out[r:r + 1].cpu()), r
+
+
 def test_opcheck_kiln_and_cpu():
     # opcheck's autograd-registration test supports only CPU/CUDA/XPU tensors
     # ("NYI devices other than CPU/CUDA/XPU"): it runs on CPU, where it checks
