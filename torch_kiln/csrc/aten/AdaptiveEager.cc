@@ -46,11 +46,12 @@ namespace at::kiln {
 // synchronization (stream, device, event, a host read, a data-dependent op,
 // which runs synchronously) waits for the group to run, and the worker marks a
 // group started before it runs it, so no op ever joins a group across one.
-// record_stream enqueues nothing itself; the allocator records its event
-// when the tensor is freed, which then closes the group. No fusion while a
-// graph is being captured, with KILN_LAUNCH_BLOCKING=1, or while any storage
-// is marked as holding a failed result (the ops then launch one by one, as
-// without fusion).
+// record_stream enqueues nothing on the stream, so it closes the calling
+// thread's groups explicitly (closeFusionGroups): an op issued after it never
+// joins work issued before it. No fusion while a
+// graph is being captured or with KILN_LAUNCH_BLOCKING=1, and an op reading a
+// storage marked as holding a failed result launches unfused (KernelLaunch
+// passes the mark on at the call).
 //
 // What may join (the whitelist, by full ATen name): add.out, sub.out (any
 // alpha), mul.out, div.out (true division), neg.out, relu and relu_ (run as
@@ -236,6 +237,21 @@ bool launchBlocking() {
   return blocking;
 }
 
+// Whether `op` reads a storage marked as holding a failed result: such an op
+// launches unfused, so KernelLaunch passes the mark on at the call (Note
+// [Results of failed kernels]).
+bool readsFailedResult(const FusedOp& op, const std::vector<Operand>& operands) {
+  if (!c10::kiln::anyFailedResults()) {
+    return false;
+  }
+  for (uint32_t r : op.reads) {
+    if (c10::kiln::failedResultReason(operands[r].storage)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // The op as a FusedOp over `group`'s operands (added as needed), or nullopt
 // if it does not qualify. Operands are added only on success.
 std::optional<FusedOp> describeOp(const FusibleSpec& spec, const OpSchemaInfo& info,
@@ -294,7 +310,7 @@ std::optional<FusedOp> describeOp(const FusibleSpec& spec, const OpSchemaInfo& i
     fused.written = static_cast<uint32_t>(out);
     appendInputDescription(inputs, at::kFloat, sizes);
     fused.inputs = finishInputDescription(std::move(inputs));
-    return fused;
+    return readsFailedResult(fused, operands) ? fail() : std::optional<FusedOp>(std::move(fused));
   }
   if (!fresh.empty()) {
     return fail();
@@ -334,7 +350,7 @@ std::optional<FusedOp> describeOp(const FusibleSpec& spec, const OpSchemaInfo& i
     }
   }
   fused.inputs = finishInputDescription(std::move(inputs));
-  return fused;
+  return readsFailedResult(fused, operands) ? fail() : std::optional<FusedOp>(std::move(fused));
 }
 
 // ------------------------------------------------------------- tracking
@@ -518,8 +534,7 @@ bool enqueueFusible(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                     c10::ArrayRef<c10::IValue> args, c10::ArrayRef<at::Tensor> fresh,
                     const KilnStream& stream) {
   const FusibleSpec& spec = specOf(op, info);
-  if (!spec.fusible || launchBlocking() || c10::kiln::anyCaptureUnderway() ||
-      c10::kiln::anyFailedResults()) {
+  if (!spec.fusible || launchBlocking() || c10::kiln::anyCaptureUnderway()) {
     return false;
   }
   // The group's shape: the written tensor's sizes.
@@ -572,6 +587,12 @@ bool enqueueFusible(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     open.seq = after;
   }
   return true;
+}
+
+void closeFusionGroups() {
+  for (auto& open : open_groups) {
+    open.group.reset();
+  }
 }
 
 std::unordered_map<std::string, int64_t> fusedOps() {

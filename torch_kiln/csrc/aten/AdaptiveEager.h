@@ -45,6 +45,10 @@ bool enqueueFusible(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                     c10::ArrayRef<c10::IValue> args, c10::ArrayRef<at::Tensor> fresh,
                     const c10::kiln::KilnStream& stream);
 
+// Closes the calling thread's open fusion groups on every stream: ops issued
+// after this call start new groups (record_stream calls it).
+void closeFusionGroups();
+
 // How often each sequence of two or more ops ran as one fused task since the
 // last clearFusedOps(): "aten::mul.out, aten::add.out" -> runs.
 std::unordered_map<std::string, int64_t> fusedOps();
