@@ -422,6 +422,22 @@ def test_ops_are_still_counted_one_by_one():
     assert torch.kiln.get_fused_ops() == {}
 
 
+def test_profiler_names_a_group_of_one_op_as_the_unfused_kernel():
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        a.relu()
+    torch.kiln.synchronize()
+    with adaptive_eager(True):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+            with gated():
+                a.relu()
+            torch.kiln.synchronize()
+    kernels = [e.name for e in prof.events()
+               if e.device_type == DeviceType.PrivateUse1 and e.activity_type == "kernel"]
+    assert "aten::relu" in kernels, kernels
+    assert torch.kiln.get_fused_ops() == {}
+
+
 def test_profiler_names_the_fused_task_by_the_ops_it_replaced():
     a = torch.randn(1000, device="kiln")
     with adaptive_eager(False):
@@ -434,8 +450,8 @@ def test_profiler_names_the_fused_task_by_the_ops_it_replaced():
             torch.kiln.synchronize()
     kernels = [e.name for e in prof.events()
                if e.device_type == DeviceType.PrivateUse1 and e.activity_type == "kernel"]
-    assert "kiln::fused(aten::add.out, aten::mul.out, aten::relu)" in kernels, kernels
-    assert "aten::add.out" not in kernels
+    assert "kiln::fused(aten::add, aten::mul, aten::relu)" in kernels, kernels
+    assert "aten::add" not in kernels and "aten::mul" not in kernels
 
 
 def test_switch_from_the_environment():

@@ -101,8 +101,9 @@ namespace at::kiln {
 // only). A group skipped after an earlier failure on its stream marks its
 // outputs as skipped kernels do (Note [Results of failed kernels]).
 //
-// Profiler: the group's activity record is named "kiln::fused(<op>, <op>,
-// ...)" (kilnTaskSetActivityName), a group of one op by that op's name.
+// Profiler: the group's activity record is named "kiln::fused(aten::add,
+// aten::mul, ...)" (kilnTaskSetActivityName; the ops' kernel names, as
+// unfused kernels are named), a group of one op by that op's kernel name.
 // torch.kiln.get_fused_ops() counts the runs of each fused sequence.
 
 namespace {
@@ -133,7 +134,8 @@ int readSwitch() {
 // How one whitelisted op runs per tile.
 struct FusibleSpec {
   bool fusible = false;
-  std::string name;                          // the op's full ATen name
+  std::string name;                          // the op's full ATen name ("aten::add.out")
+  std::string kernel_name;                   // its kernels' profiler name ("aten::add")
   std::optional<c10::OperatorHandle> runs;   // what runs per tile (the op itself unless set)
   int out_arg = -1;                          // the written argument, or -1: a fresh return
   bool prepend_zero = false;                 // relu: clamp_min(self, 0)
@@ -142,6 +144,7 @@ struct FusibleSpec {
 FusibleSpec makeSpec(const c10::OperatorHandle& op, const OpSchemaInfo& info) {
   FusibleSpec spec;
   spec.name = opName(info);
+  spec.kernel_name = info.schema->name(); // as KernelLaunch names an unfused kernel
   static const char* const kOutOps[] = {"aten::add.out",  "aten::sub.out",  "aten::mul.out",
                                         "aten::div.out",  "aten::neg.out",  "aten::exp.out",
                                         "aten::tanh.out", "aten::sigmoid.out", "aten::gelu.out"};
@@ -417,9 +420,13 @@ struct FusionGroupTask final : TaskBody {
     const auto& ops = group->ops;
     const std::string seq = sequence();
     if (ops.size() == 1) {
-      kilnTaskSetActivityName(ops[0].spec->name.c_str());
+      kilnTaskSetActivityName(ops[0].spec->kernel_name.c_str());
     } else {
-      kilnTaskSetActivityName(("kiln::fused(" + seq + ")").c_str());
+      std::string label = "kiln::fused(";
+      for (size_t k = 0; k < ops.size(); ++k) {
+        label += (k ? ", " : "") + ops[k].spec->kernel_name;
+      }
+      kilnTaskSetActivityName((label + ")").c_str());
       auto& c = fusedCounts();
       std::lock_guard<std::mutex> lock(c.mutex);
       c.counts[seq]++;
