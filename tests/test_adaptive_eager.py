@@ -146,16 +146,21 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+def check_fused_chain(chain, x, y, key):
+    """chain(a, b) on kiln fused gives one run of `key`, bit-identical to it
+    unfused and to CPU's chain(x, y)."""
+    expected, actual, fused = fused_and_unfused(chain, x.to("kiln"), y.to("kiln"))
+    assert fused == {key: 1}
+    assert_bits_equal(actual, expected)
+    assert_bits_equal(actual, chain(x, y))
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name", sorted(BINARY))
 def test_binary_op_fused_is_bit_identical(name, n, threads):
     op, aten = BINARY[name]
     x, y = awkward_pair(n)
-    kx, ky = x.to("kiln"), y.to("kiln")
-    expected, actual, fused = fused_and_unfused(lambda a, b: [op(a, b), op(op(a, b), b)], kx, ky)
-    assert fused == {f"{aten}, {aten}, {aten}": 1}
-    assert_bits_equal(actual, expected)
-    assert_bits_equal(actual, [op(x, y), op(op(x, y), y)])  # CPU's numbers
+    check_fused_chain(lambda a, b: [op(a, b), op(op(a, b), b)], x, y, f"{aten}, {aten}, {aten}")
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -163,13 +168,8 @@ def test_binary_op_fused_is_bit_identical(name, n, threads):
 def test_unary_op_fused_is_bit_identical(name, n, threads):
     op, aten = UNARY[name]
     x, y = awkward_pair(n)
-    kx, ky = x.to("kiln"), y.to("kiln")
     # op(x), op(y - x): ops over every special value and over their differences
-    chain = lambda a, b: [op(a), op(b - a)]
-    expected, actual, fused = fused_and_unfused(chain, kx, ky)
-    assert fused == {f"{aten}, aten::sub.out, {aten}": 1}
-    assert_bits_equal(actual, expected)
-    assert_bits_equal(actual, chain(x, y))
+    check_fused_chain(lambda a, b: [op(a), op(b - a)], x, y, f"{aten}, aten::sub.out, {aten}")
 
 
 @pytest.mark.parametrize("name", sorted(INPLACE))
@@ -183,11 +183,7 @@ def test_inplace_op_fused_is_bit_identical(name):
         op(a, b)
         return [a]
 
-    kx, ky = x.to("kiln"), y.to("kiln")
-    expected, actual, fused = fused_and_unfused(chain, kx, ky)
-    assert fused == {f"{aten}, {aten}": 1}
-    assert_bits_equal(actual, expected)
-    assert_bits_equal(actual, chain(x, y))
+    check_fused_chain(chain, x, y, f"{aten}, {aten}")
 
 
 def long_chain(a, b):
