@@ -493,3 +493,21 @@ def test_char_gpt_losses_with_fusion_on_equal_off(tmp_path):
     assert len(runs["0"]["steps"]) == 5
     assert runs["1"]["steps"] == runs["0"]["steps"]  # bit-equal floats
     assert runs["1"]["val_loss"] == runs["0"]["val_loss"]
+
+
+def test_ops_captured_into_a_graph_are_not_fused():
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        (a + 1) * 2
+    torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    with adaptive_eager(True):
+        graph = torch.kiln.KilnGraph()
+        with torch.kiln.graph(graph):
+            y = (a + 1) * 2
+        assert graph.num_nodes() == 2  # captured one by one, as without fusion
+        graph.replay()
+        torch.kiln.synchronize()
+    assert_same(y, (a.cpu() + 1) * 2)
+    assert torch.kiln.get_fused_ops() == {}
+    graph.reset()

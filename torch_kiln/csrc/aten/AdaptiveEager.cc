@@ -541,7 +541,13 @@ bool enqueueFusible(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                     c10::ArrayRef<c10::IValue> args, c10::ArrayRef<at::Tensor> fresh,
                     const KilnStream& stream) {
   const FusibleSpec& spec = specOf(op, info);
-  if (!spec.fusible || launchBlocking() || c10::kiln::anyCaptureUnderway()) {
+  if (!spec.fusible || launchBlocking()) {
+    return false;
+  }
+  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+    // Captured work is not enqueued (the stream's count does not move), so
+    // a group from before the capture is closed here instead.
+    closeFusionGroups();
     return false;
   }
   // The group's shape: the written tensor's sizes.
