@@ -401,12 +401,18 @@ def test_group_skipped_after_an_earlier_failure_names_that_failure():
             t.sum().item()
 
 
-def test_ops_are_still_counted_one_by_one():
+def warm_add_mul():
+    """A kiln tensor after add and mul ran on it unfused; counters cleared."""
     a = torch.randn(1000, device="kiln")
     with adaptive_eager(False):
         (a + 1) * 2
     torch.kiln.synchronize()
     torch.kiln.clear_op_tracking()
+    return a
+
+
+def test_ops_are_still_counted_one_by_one():
+    a = warm_add_mul()
     with adaptive_eager(True):
         with gated():
             (a + 1) * 2
@@ -496,11 +502,7 @@ def test_char_gpt_losses_with_fusion_on_equal_off(tmp_path):
 
 
 def test_ops_captured_into_a_graph_are_not_fused():
-    a = torch.randn(1000, device="kiln")
-    with adaptive_eager(False):
-        (a + 1) * 2
-    torch.kiln.synchronize()
-    torch.kiln.clear_op_tracking()
+    a = warm_add_mul()
     with adaptive_eager(True):
         graph = torch.kiln.KilnGraph()
         with torch.kiln.graph(graph):
