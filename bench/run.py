@@ -48,6 +48,7 @@ import compilation  # noqa: E402
 import kernels  # noqa: E402
 import collectives  # noqa: E402
 import graphs  # noqa: E402
+import fusion  # noqa: E402
 
 GROUPS = {
     "add": micro.add_overhead,
@@ -63,6 +64,7 @@ GROUPS = {
     "kernels": kernels.throughput,
     "collectives": collectives.throughput,
     "graphs": graphs.replay_overhead,
+    "fusion": fusion.chain_fused_vs_unfused,
 }
 
 

@@ -116,6 +116,7 @@ constexpr size_t kInitialRing = 64;
 struct TaskContext {
   std::string message;
   int error_class = 0;
+  PendingActivity* trace = nullptr;  // the entry's activity record, while tracing
 };
 thread_local TaskContext* t_task = nullptr;
 
@@ -133,6 +134,7 @@ std::string TaskFailureMessage(const char* name, kilnError_t code, const std::st
 // failure. A C++ exception escaping the task is a failure, not a crash.
 kilnError_t RunTaskFn(const Entry& e, TaskFailure* failure) {
   TaskContext ctx;
+  ctx.trace = e.trace;
   TaskContext* outer = t_task;
   t_task = &ctx;
   kilnError_t code = kilnErrorUnknown;
@@ -681,6 +683,16 @@ KILN_API kilnError_t kilnStreamGetId(kilnStream_t stream, unsigned long long* st
   });
 }
 
+KILN_API kilnError_t kilnStreamGetSubmittedCount(kilnStream_t stream, unsigned long long* count) {
+  return ApiCall("kilnStreamGetSubmittedCount", [&](Runtime& rt) {
+    if (count == nullptr) return Fail(kilnErrorInvalidValue, "count is NULL");
+    Stream* s = nullptr;
+    if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
+    *count = s->submitted();
+    return kilnSuccess;
+  });
+}
+
 KILN_API kilnError_t kilnStreamGetPriority(kilnStream_t stream, int* priority) {
   return ApiCall("kilnStreamGetPriority", [&](Runtime& rt) {
     if (priority == nullptr) return Fail(kilnErrorInvalidValue, "priority is NULL");
@@ -722,6 +734,16 @@ KILN_API void kilnTaskSetErrorMessage(const char* message) {
     ctx->message = message != nullptr ? message : "";
   } catch (...) {
   }
+}
+
+KILN_API void kilnTaskSetActivityName(const char* name) {
+  if (kiln::g_forked_child.load(std::memory_order_relaxed)) return;
+  kiln::TaskContext* ctx = kiln::t_task;
+  if (ctx == nullptr || ctx->trace == nullptr || name == nullptr) return;
+  char* dst = ctx->trace->record.name;
+  const size_t n = strnlen(name, KILN_ACTIVITY_NAME_MAX - 1);
+  std::memcpy(dst, name, n);
+  dst[n] = '\0';
 }
 
 KILN_API void kilnTaskSetErrorClass(int errorClass) {

@@ -319,3 +319,27 @@ TEST(Stream, LaunchBlockingIsOffByDefault) {
   ASSERT_KILN_OK(kilnStreamSynchronize(nullptr));
   EXPECT_NE(ran_on, std::this_thread::get_id()) << "tasks run on the stream's worker thread";
 }
+
+// kilnStreamGetSubmittedCount: one more per entry enqueued, whatever its kind.
+TEST(Stream, SubmittedCountGrowsByOnePerEntryOfAnyKind) {
+  kilnStream_t s = nullptr;
+  ASSERT_KILN_OK(kilnStreamCreate(&s));
+  unsigned long long before = 0, after = 0;
+  ASSERT_KILN_OK(kilnStreamGetSubmittedCount(s, &before));
+  ASSERT_KILN_OK(kiln_test::Launch(s, [] {}, "a task"));
+  ASSERT_KILN_OK(kilnStreamGetSubmittedCount(s, &after));
+  EXPECT_EQ(after, before + 1);
+  kilnEvent_t e = nullptr;
+  ASSERT_KILN_OK(kilnEventCreate(&e));
+  ASSERT_KILN_OK(kilnEventRecord(e, s));
+  ASSERT_KILN_OK(kilnStreamWaitEvent(s, e, 0));
+  ASSERT_KILN_OK(kilnStreamGetSubmittedCount(s, &before));
+  EXPECT_EQ(before, after + 2) << "an event record and a wait are entries too";
+  ASSERT_KILN_OK(kilnStreamSynchronize(s));
+  ASSERT_KILN_OK(kilnStreamGetSubmittedCount(s, &after));
+  EXPECT_EQ(after, before) << "a synchronization enqueues nothing";
+  EXPECT_KILN_ERR(kilnStreamGetSubmittedCount(s, nullptr), kilnErrorInvalidValue);
+  ASSERT_KILN_OK(kilnEventDestroy(e));
+  ASSERT_KILN_OK(kilnStreamDestroy(s));
+  EXPECT_KILN_ERR(kilnStreamGetSubmittedCount(s, &after), kilnErrorInvalidResourceHandle);
+}

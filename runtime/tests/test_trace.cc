@@ -572,3 +572,17 @@ TEST(TraceBlocking, InlineWorkIsRecordedInsideItsCall) {
   ExpectChildPasses("ChildTraceBlocking.InlineWorkIsRecordedInsideItsCall",
                     {{"KILN_LAUNCH_BLOCKING", "1"}});
 }
+
+TEST_F(Trace, ARunningTaskCanRenameItsRecordButNotItsErrors) {
+  kilnStream_t s = nullptr;
+  ASSERT_KILN_OK(kilnStreamCreate(&s));
+  ASSERT_KILN_OK(Launch(s, [] { kilnTaskSetActivityName("kiln::fused(aten::add, aten::mul)"); },
+                        "kiln::fused_elementwise"));
+  kilnTaskSetActivityName("outside a task: ignored");
+  ASSERT_KILN_OK(kilnStreamSynchronize(s));
+  ASSERT_KILN_OK(kilnActivityFlushAll());
+  const Records tasks = OfKind(DrainAll(), kilnActivityKindTask);
+  ASSERT_EQ(tasks.size(), 1u);
+  EXPECT_STREQ(tasks[0].name, "kiln::fused(aten::add, aten::mul)");
+  ASSERT_KILN_OK(kilnStreamDestroy(s));
+}

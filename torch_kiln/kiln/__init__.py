@@ -47,6 +47,7 @@ from torch_kiln.kiln.memory import (
 from torch_kiln.kiln.op_tracking import (
     clear_op_tracking,
     get_executed_ops,
+    get_fused_ops,
     get_sync_ops,
 )
 from torch_kiln.kiln.streams import (
@@ -300,6 +301,7 @@ __all__ = [
     "get_amp_supported_dtype",
     "get_per_process_memory_fraction",
     "get_executed_ops",
+    "get_fused_ops",
     "get_rng_state",
     "get_rng_state_all",
     "get_sync_ops",

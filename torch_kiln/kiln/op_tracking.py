@@ -32,6 +32,19 @@ def get_sync_ops() -> dict[str, int]:
     return _sorted(_C._get_sync_ops())
 
 
+def get_fused_ops() -> dict[str, int]:
+    """How often each sequence of queued ops ran fused as one kiln task since
+    the last ``clear_op_tracking()`` (adaptive eager fusion,
+    ``KILN_ADAPTIVE_EAGER=1``; empty while it is off), most frequent first::
+
+        {'aten::add.out, aten::mul.out, aten::relu': 12}
+
+    Keys list the ops of the sequence in issue order by their ATen names; the
+    ops are still counted one by one in ``get_executed_ops()``. See
+    docs/performance.md ("Adaptive eager fusion")."""
+    return _sorted(_C._get_fused_ops())
+
+
 def clear_op_tracking() -> None:
-    """Reset both counters."""
+    """Reset the executed-op, sync-op and fused-op counters."""
     _C._clear_op_tracking()

@@ -65,8 +65,10 @@ extern "C" {
  *    classes of failed tasks (kilnTaskSetErrorClass, kilnGetLastErrorClass). */
 /* 4: stream capture and graphs (kilnStreamBeginCapture, kilnStreamEndCapture,
  *    kilnStreamIsCapturing, kilnGraphLaunch, kilnGraphDestroy,
- *    kilnGraphGetNodeCount), kilnErrorIllegalState and the capture errors. */
-#define KILN_RUNTIME_VERSION 4
+ *    kilnGraphGetNodeCount), kilnErrorIllegalState and the capture errors.
+ * 5: kilnStreamGetSubmittedCount and kilnTaskSetActivityName (adaptive eager
+ *    fusion). */
+#define KILN_RUNTIME_VERSION 5
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -274,6 +276,17 @@ KILN_API kilnError_t kilnStreamGetPriority(kilnStream_t stream, int* priority);
  * cudaStreamGetId). */
 KILN_API kilnError_t kilnStreamGetId(kilnStream_t stream, unsigned long long* streamId);
 
+/* How many entries have ever been enqueued on `stream`: tasks, copies,
+ * memsets, event records, event waits and graph launches, from any thread
+ * (work recorded by a stream capture is not enqueued and not counted). It
+ * only grows. A client that reads it just before and just after its own
+ * kilnLaunchTask and sees it grow by exactly one knows the count its entry
+ * got; a later read equal to that count means nothing was enqueued on the
+ * stream after that entry (the check adaptive eager fusion makes, Note
+ * [Adaptive eager fusion] in torch_kiln). One atomic load. */
+KILN_API kilnError_t kilnStreamGetSubmittedCount(kilnStream_t stream,
+                                                 unsigned long long* count);
+
 /* A task: device work. Returns kilnSuccess, or an error code after describing
  * the failure with kilnTaskSetErrorMessage(). */
 typedef kilnError_t (*kilnTaskFn_t)(void* userData);
@@ -310,6 +323,13 @@ KILN_API kilnError_t kilnLaunchTask(kilnStream_t stream, kilnTaskFn_t fn,
 /* Called by a running task to describe its failure before returning an error
  * code. The text is copied. Outside a task it does nothing. */
 KILN_API void kilnTaskSetErrorMessage(const char* message);
+
+/* Called by a running task to name itself in its activity record (the
+ * profiler's kernel name) instead of the launch's `name`, for a task whose
+ * content was only settled after its launch. The text is copied (truncated to
+ * KILN_ACTIVITY_NAME_MAX - 1 bytes). Error messages keep the launch's name.
+ * Outside a task, or while tracing is off, it does nothing. */
+KILN_API void kilnTaskSetActivityName(const char* name);
 
 /* Called by a running task, before returning an error code, to classify its
  * failure with a number of the client's choosing (0, the default, means

@@ -18,11 +18,6 @@
 namespace at::kiln {
 namespace {
 
-// The failure of the last task that failed on this (worker) thread: kernels
-// the runtime then skips on the same stream are released on this thread, and
-// name it as their cause (Note [Results of failed kernels]).
-thread_local std::string last_failure_on_thread;
-
 // Finished launch records, waiting to be reused (Note [Kernel launches are
 // built on the worker]). Records beyond kMaxPooled are deleted.
 constexpr size_t kMaxPooled = 4096;
@@ -73,6 +68,11 @@ bool TensorDescriptor::coversStorage() const {
     expected *= sizes[i];
   }
   return static_cast<size_t>(expected) * c10::elementSize(dtype) == nbytes;
+}
+
+std::string& lastKernelFailureOnThread() {
+  thread_local std::string last_failure;
+  return last_failure;
 }
 
 KernelLaunch* KernelLaunch::acquire() {
@@ -450,8 +450,8 @@ kilnError_t KernelLaunch::runTask(void* self) {
   }
   message = record->describe() + ": " + message;
   kilnTaskSetErrorMessage(message.c_str());
-  last_failure_on_thread = record->info_->schema->name() + ": " + message;
-  record->markWrittenAsFailed(last_failure_on_thread);
+  lastKernelFailureOnThread() = record->info_->schema->name() + ": " + message;
+  record->markWrittenAsFailed(lastKernelFailureOnThread());
   return kilnErrorLaunchFailure;
 }
 
@@ -462,7 +462,7 @@ void KernelLaunch::releaseTask(void* self) {
   if (!record->ran_ && !record->captured_) {
     record->markWrittenAsFailed(
         record->info_->schema->name() + " was skipped after an earlier kernel on its stream failed" +
-        (last_failure_on_thread.empty() ? std::string() : ": " + last_failure_on_thread));
+        (lastKernelFailureOnThread().empty() ? std::string() : ": " + lastKernelFailureOnThread()));
   }
   auto& p = pool();
   {

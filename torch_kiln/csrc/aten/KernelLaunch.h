@@ -63,6 +63,12 @@ struct TensorDescriptor {
 void appendInputDescription(std::string& text, c10::ScalarType dtype, c10::IntArrayRef sizes);
 std::string finishInputDescription(std::string text);
 
+// The failure of the last kernel that failed on the calling (worker) thread,
+// "<op>: <message>": kernels the runtime then skips on the same stream are
+// released on this thread and name it as their cause (Note [Results of
+// failed kernels]).
+std::string& lastKernelFailureOnThread();
+
 class KernelLaunch {
  public:
   // A cleared record from the pool (or a new one).

@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "aten/AdaptiveEager.h"
 #include "aten/ArgumentTensors.h"
 #include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
@@ -965,6 +966,20 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   // Step 3: the kernel on the stream (nothing to do for pure views).
   if (info.has_mutable_args || info.has_fresh_returns) {
     const KilnStream stream = c10::kiln::getCurrentKilnStream(device.index());
+    if (C10_UNLIKELY(adaptiveEagerEnabled()) && mayFuse(op, info)) {
+      // Note [Adaptive eager fusion]
+      c10::SmallVector<c10::IValue, 4> host_args;
+      for (size_t i = 0; i < num_args; ++i) {
+        host_args.push_back(hostValueOf(info, (*stack)[first + i], info.arg_kinds[i], stream));
+      }
+      if (enqueueFusible(op, info, host_args, fresh, stream)) {
+        torch::jit::drop(*stack, num_args);
+        for (auto& value : results) {
+          stack->push_back(std::move(value));
+        }
+        return;
+      }
+    }
     KernelLaunch* launch = KernelLaunch::acquire();
     launch->setOperator(op, info);
     for (size_t i = 0; i < num_args; ++i) {

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "aten/AdaptiveEager.h"
 #include "core/KilnCachingAllocator.h"
 
 namespace at::kiln {
@@ -21,6 +22,7 @@ void recordStream(at::Tensor& self, c10::Stream stream) {
       " but the tensor is on ", self.device(), "; a tensor can only be recorded on streams of its own device.");
   c10::kiln::KilnCachingAllocator::recordStream(self.storage().data_ptr(),
                                                 c10::kiln::KilnStream(stream));
+  closeFusionGroups(); // Note [Adaptive eager fusion]
 }
 
 } // namespace

@@ -9,8 +9,12 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <thread>
 
+#include "aten/AdaptiveEager.h"
 #include "aten/KilnTask.h"
 #include "aten/OpTracking.h"
 #include "core/KilnFunctions.h"
@@ -170,6 +174,36 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
-  m.def("_clear_op_tracking", &at::kiln::clearOpTracking);
+  m.def("_clear_op_tracking", [] {
+    at::kiln::clearOpTracking();
+    at::kiln::clearFusedOps();
+  });
+  m.def("_get_fused_ops", [] { return toDict(at::kiln::fusedOps()); });
+  m.def("_adaptive_eager_enabled", &at::kiln::adaptiveEagerEnabled);
+  m.def("_set_adaptive_eager", &at::kiln::setAdaptiveEager);
+  m.def("_fusion_fail_op", &at::kiln::failNextFusedOp);
+  m.def("_gate_stream", [](double timeout_s) {
+    // For tests: device work that waits until the returned gate is opened
+    // (or timeout_s passed), so work queued behind it deterministically
+    // waits in the queue (Note [Adaptive eager fusion] tests).
+    struct Gate {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool open = false;
+    };
+    auto gate = std::make_shared<Gate>();
+    const auto stream = c10::kiln::getCurrentKilnStream();
+    at::kiln::launchTask(stream, "kiln::gate", [gate, timeout_s] {
+      std::unique_lock<std::mutex> lock(gate->mutex);
+      gate->cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return gate->open; });
+    });
+    return py::cpp_function([gate] {
+      {
+        std::lock_guard<std::mutex> lock(gate->mutex);
+        gate->open = true;
+      }
+      gate->cv.notify_all();
+    });
+  });
   torch_kiln::initMemoryToolsBindings(m);
 }

@@ -1,0 +1,515 @@
+"""Adaptive eager fusion, first increment (KILN_ADAPTIVE_EAGER=1, off by
+default; Note [Adaptive eager fusion] in torch_kiln/csrc/aten/AdaptiveEager.cc).
+
+Queued float32 elementwise ops on a kiln stream run as one task; results must
+be bit-identical to running them unfused (and to CPU). Every test makes the
+ops wait in the queue deterministically behind a *gate* (a device task that
+waits until the test opens it, torch_kiln._C._gate_stream), so which ops form
+a group never depends on timing; fusion is switched per test with
+torch_kiln._C._set_adaptive_eager. Fused runs are read from
+torch.kiln.get_fused_ops().
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch_kiln
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import assert_same, run_python
+
+_C = torch_kiln._C
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GATE_TIMEOUT_S = 60.0  # a gate opens by itself after this: a failing test cannot hang
+
+
+@contextlib.contextmanager
+def adaptive_eager(enabled):
+    before = _C._adaptive_eager_enabled()
+    _C._set_adaptive_eager(enabled)
+    try:
+        yield
+    finally:
+        _C._set_adaptive_eager(before)
+
+
+@contextlib.contextmanager
+def gated():
+    """Work issued inside waits on the current stream until the block ends."""
+    open_gate = _C._gate_stream(GATE_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        open_gate()
+
+
+def fused_and_unfused(fn, *inputs):
+    """fn(*inputs) unfused (twice: an op's first calls may synchronize once to
+    check its meta kernel, which would split a group), then fused behind a
+    gate. Returns (unfused results, fused results, get_fused_ops())."""
+    with adaptive_eager(False):
+        fn(*inputs)
+        expected = fn(*inputs)
+    torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    with adaptive_eager(True):
+        with gated():
+            actual = fn(*inputs)
+        torch.kiln.synchronize()
+    return expected, actual, torch.kiln.get_fused_ops()
+
+
+def assert_bits_equal(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert_same(a, e.cpu())
+
+
+# ---------------------------------------------------------------- awkward values
+
+_SPECIALS = [0.0, -0.0, 1.0, -1.5, 0.5, 7.0, -3.25, 88.7, -88.7, 1e-20, 1e20,
+             float("inf"), float("-inf"), 3.4e38, -3.4e38, 1e-45, -1e-45, 1e-40,
+             -1e-40, 1.17549435e-38]
+# quiet NaN, -NaN, a NaN with a payload, a signalling NaN
+_NAN_BITS = [0x7FC00000, -0x00400000, 0x7FC00001, 0x7F800001]
+
+
+def _specials():
+    nans = torch.tensor(_NAN_BITS, dtype=torch.int32).view(torch.float32)
+    return torch.cat([torch.tensor(_SPECIALS, dtype=torch.float32), nans])
+
+
+def awkward_pair(n, seed=0):
+    """Two float32 CPU tensors of n elements: every pair of special values
+    (NaN payloads, ±inf, ±0.0, denormals, extremes) in turn, then normals."""
+    s = _specials()
+    a, b = (t.reshape(-1) for t in torch.meshgrid(s, s, indexing="ij"))
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 3
+    k = min(n, a.numel())
+    x[:k], y[:k] = a[:k], b[:k]
+    # the last elements (a loop's scalar tail) get specials too
+    tail = min(n - k, 24)
+    if tail > 0:
+        x[-tail:], y[-tail:] = a[-tail:], b[-tail:]
+    return x, y
+
+
+BINARY = {
+    "add": (lambda x, y: x + y, "aten::add.out"),
+    "add_scalar": (lambda x, y: x + 2.5, "aten::add.out"),
+    "add_alpha_2": (lambda x, y: torch.add(x, y, alpha=2), "aten::add.out"),
+    "add_alpha_0.1": (lambda x, y: torch.add(x, y, alpha=0.1), "aten::add.out"),
+    "sub": (lambda x, y: x - y, "aten::sub.out"),
+    "sub_alpha_3": (lambda x, y: torch.sub(x, y, alpha=3), "aten::sub.out"),
+    "rsub_scalar": (lambda x, y: 1.5 - x, "aten::sub.out"),
+    "mul": (lambda x, y: x * y, "aten::mul.out"),
+    "mul_scalar": (lambda x, y: x * 0.3, "aten::mul.out"),
+    "div": (lambda x, y: x / y, "aten::div.out"),
+    "div_scalar": (lambda x, y: x / 3.0, "aten::div.out"),
+}
+UNARY = {
+    "neg": (torch.neg, "aten::neg.out"),
+    "relu": (torch.relu, "aten::relu"),
+    "exp": (torch.exp, "aten::exp.out"),
+    "tanh": (torch.tanh, "aten::tanh.out"),
+    "sigmoid": (torch.sigmoid, "aten::sigmoid.out"),
+    "gelu": (torch.nn.functional.gelu, "aten::gelu.out"),
+    "gelu_tanh": (lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "aten::gelu.out"),
+}
+INPLACE = {
+    "add_": (lambda x, y: x.add_(y), "aten::add.out"),
+    "sub_": (lambda x, y: x.sub_(y, alpha=0.5), "aten::sub.out"),
+    "mul_": (lambda x, y: x.mul_(y), "aten::mul.out"),
+    "div_": (lambda x, y: x.div_(y), "aten::div.out"),
+    "neg_": (lambda x, y: x.neg_(), "aten::neg.out"),
+    "relu_": (lambda x, y: x.relu_(), "aten::relu_"),
+    "exp_": (lambda x, y: x.exp_(), "aten::exp.out"),
+    "sigmoid_": (lambda x, y: x.sigmoid_(), "aten::sigmoid.out"),
+}
+# 67: vector body + scalar tail; 100_003: several tiles (and with two
+# threads, two parallel_for ranges with a tail each).
+SIZES = [67, 100_003]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def check_fused_chain(chain, x, y, key):
+    """chain(a, b) on kiln fused gives one run of `key`, bit-identical to it
+    unfused and to CPU's chain(x, y)."""
+    expected, actual, fused = fused_and_unfused(chain, x.to("kiln"), y.to("kiln"))
+    assert fused == {key: 1}
+    assert_bits_equal(actual, expected)
+    assert_bits_equal(actual, chain(x, y))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_op_fused_is_bit_identical(name, n, threads):
+    op, aten = BINARY[name]
+    x, y = awkward_pair(n)
+    check_fused_chain(lambda a, b: [op(a, b), op(op(a, b), b)], x, y, f"{aten}, {aten}, {aten}")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_op_fused_is_bit_identical(name, n, threads):
+    op, aten = UNARY[name]
+    x, y = awkward_pair(n)
+    # op(x), op(y - x): ops over every special value and over their differences
+    check_fused_chain(lambda a, b: [op(a), op(b - a)], x, y, f"{aten}, aten::sub.out, {aten}")
+
+
+@pytest.mark.parametrize("name", sorted(INPLACE))
+def test_inplace_op_fused_is_bit_identical(name):
+    op, aten = INPLACE[name]
+    x, y = awkward_pair(1000)
+
+    def chain(a, b):
+        a = a.clone()  # a copy: before the group
+        op(a, b)
+        op(a, b)
+        return [a]
+
+    check_fused_chain(chain, x, y, f"{aten}, {aten}")
+
+
+def long_chain(a, b):
+    c = a + b
+    d = c * 2
+    e = d.relu()
+    f = torch.nn.functional.gelu(e)
+    g = f.sigmoid() - c
+    h = -g / b
+    return [c, d, e, f, g, h]
+
+
+LONG_CHAIN_KEY = ("aten::add.out, aten::mul.out, aten::relu, aten::gelu.out, aten::sigmoid.out, "
+                  "aten::sub.out, aten::neg.out, aten::div.out")
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("where", ["default_stream", "side_stream"])
+def test_chain_on_each_device_and_stream(device, where):
+    x, y = awkward_pair(50_000, seed=1)
+    kx, ky = x.to(device), y.to(device)
+    torch.kiln.synchronize(device)
+    with torch.kiln.device(device):
+        side = torch.kiln.Stream()
+        side.wait_stream(torch.kiln.current_stream())
+        context = torch.kiln.stream(side) if where == "side_stream" else contextlib.nullcontext()
+        with context:
+            expected, actual, fused = fused_and_unfused(long_chain, kx, ky)
+        torch.kiln.synchronize()
+    assert fused == {LONG_CHAIN_KEY: 1}
+    assert all(t.device == torch.device(device) for t in actual)
+    assert_bits_equal(actual, expected)
+    assert_bits_equal(actual, long_chain(x, y))
+
+
+def test_intermediate_view_kept_by_python_is_written():
+    x, y = awkward_pair(4096)
+    kx, ky = x.to("kiln"), y.to("kiln")
+
+    def chain(a, b):
+        c = a + b
+        view = c.view(64, 64)[3]  # a view launches nothing
+        d = c * b
+        e = d.relu()
+        return [c, view, d, e]
+
+    expected, actual, fused = fused_and_unfused(chain, kx, ky)
+    assert fused == {"aten::add.out, aten::mul.out, aten::relu": 1}
+    assert_bits_equal(actual, expected)
+
+
+def test_inplace_ops_on_aliases():
+    x, y = awkward_pair(4096)
+    kx, ky = x.to("kiln"), y.to("kiln")
+
+    def chain(a, b):
+        a = a.clone()
+        alias = a.view(-1)  # the same memory: joins the group as the same tensor
+        a.add_(b)
+        alias.mul_(0.5)
+        a.relu_()
+        z = alias + a
+        return [a, alias, z]
+
+    expected, actual, fused = fused_and_unfused(chain, kx, ky)
+    assert fused == {"aten::add.out, aten::mul.out, aten::relu_, aten::add.out": 1}
+    assert_bits_equal(actual, expected)
+    assert_bits_equal(actual, chain(x, y))
+
+
+def test_partially_overlapping_tensors_are_not_fused_together():
+    x, _ = awkward_pair(4097)
+    kx = x.to("kiln")
+
+    def chain(a):
+        a = a.clone()
+        a[:-1].add_(1)  # writes elements 0..n-2
+        b = a[1:] * 2  # reads elements 1..n-1: element i reads what the add wrote at i+1
+        c = b + 1
+        return [a, b, c]
+
+    expected, actual, fused = fused_and_unfused(chain, kx)
+    assert fused == {"aten::mul.out, aten::add.out": 1}  # the add_ is not in their group
+    assert_bits_equal(actual, expected)
+    assert_bits_equal(actual, chain(x))
+
+
+def test_broadcasting_and_other_dtypes_are_not_fused():
+    a = torch.randn(64, 64, device="kiln")
+    row = torch.randn(64, device="kiln")
+    d = torch.randn(64, 64, device="kiln", dtype=torch.float64)
+
+    def chain(a, row, d):
+        return [a + row, (a + row) * 2, d + 1, (d + 1) * 2]
+
+    expected, actual, fused = fused_and_unfused(chain, a, row, d)
+    assert fused == {}
+    assert_bits_equal(actual, expected)
+
+
+def two_pairs(a, between):
+    """Two add-mul pairs with `between()` issued between them."""
+    y = a + 1
+    z = y * 2
+    between()
+    w = z + 1
+    v = w * 2
+    return [y, z, w, v]
+
+
+@pytest.mark.parametrize("between", ["event_record", "wait_stream", "record_stream", "copy"])
+def test_queue_events_between_ops_close_the_group(between):
+    a = torch.randn(1000, device="kiln")
+    side = torch.kiln.Stream()
+    pinned = torch.empty(1000).pin_memory()
+    kept = []
+
+    def do_between():
+        if between == "event_record":
+            kept.append(torch.kiln.Event())
+            kept[-1].record()
+        elif between == "wait_stream":
+            torch.kiln.current_stream().wait_stream(side)
+        elif between == "record_stream":
+            t = a * 1
+            t.record_stream(side)
+            kept.append(t)
+        else:
+            pinned.copy_(a, non_blocking=True)
+
+    expected, actual, fused = fused_and_unfused(lambda x: two_pairs(x, do_between), a)
+    if between == "record_stream":
+        # `a * 1` ends the first group; record_stream closes the second.
+        assert fused == {"aten::add.out, aten::mul.out, aten::mul.out": 1,
+                         "aten::add.out, aten::mul.out": 1}
+    else:
+        assert fused == {"aten::add.out, aten::mul.out": 2}
+    assert_bits_equal(actual, expected)
+
+
+@pytest.mark.parametrize("between", ["synchronize", "stream_synchronize", "event_synchronize", "item"])
+def test_synchronizations_between_ops_close_the_group(between):
+    """A host wait needs the gate open, so the ops after it are not gated:
+    whether they fuse with each other depends on timing, but they never join
+    the group issued before the wait."""
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        two_pairs(a, lambda: None)
+    torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    with adaptive_eager(True):
+        open_gate = _C._gate_stream(GATE_TIMEOUT_S)
+        y = a + 1
+        z = y * 2
+        open_gate()
+        if between == "synchronize":
+            torch.kiln.synchronize()
+        elif between == "stream_synchronize":
+            torch.kiln.current_stream().synchronize()
+        elif between == "event_synchronize":
+            e = torch.kiln.Event()
+            e.record()
+            e.synchronize()
+        else:
+            assert z[0].item() == ((a[:1].cpu() + 1) * 2).item()
+        w = z + 1
+        v = w * 2
+        torch.kiln.synchronize()
+    fused = torch.kiln.get_fused_ops()
+    assert fused.get("aten::add.out, aten::mul.out", 0) >= 1
+    assert all(len(key.split(", ")) <= 2 for key in fused), fused
+    assert_same(v, ((a.cpu() + 1) * 2 + 1) * 2)
+
+
+def test_failing_op_inside_a_fused_run_names_the_op():
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        (-((a + 1) * 2)).sum().item()
+    with adaptive_eager(True):
+        with gated():
+            _C._fusion_fail_op("aten::mul.out")
+            y = a + 1
+            z = y * 2
+            w = -z
+        with pytest.raises(RuntimeError,
+                           match=r"kiln::fused_elementwise: aten::mul.out \(op 2 of 3 of a fused run "
+                                 r"of aten::add.out, aten::mul.out, aten::neg.out\): "
+                                 r"inputs \(Float\[1000\], Long\[\]\): injected failure"):
+            torch.kiln.synchronize()
+        for t in (z, w):  # never computed: reading them is an error
+            with pytest.raises(RuntimeError, match=r"never computed.*aten::mul.out"):
+                t.sum().item()
+        # The stream works again, fused.
+        with gated():
+            y = a + 1
+            z = y * 2
+        assert_same(z, (a.cpu() + 1) * 2)
+
+
+def test_group_skipped_after_an_earlier_failure_names_that_failure():
+    x = torch.arange(4.0, device="kiln")
+    good = torch.tensor([0], device="kiln")
+    bad = torch.tensor([0, 9], device="kiln")
+    torch.index_select(x, 0, good)
+    torch.kiln.synchronize()
+    with adaptive_eager(True):
+        with gated():
+            y = torch.index_select(x, 0, bad)  # fails on the device
+            z = y * 2  # a fusion group: skipped
+            w = z + 1
+        with pytest.raises(IndexError, match="index_select"):
+            torch.kiln.synchronize()
+    for t in (z, w):
+        with pytest.raises(RuntimeError, match="never computed.*index_select"):
+            t.sum().item()
+
+
+def warm_add_mul():
+    """A kiln tensor after add and mul ran on it unfused; counters cleared."""
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        (a + 1) * 2
+    torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    return a
+
+
+def test_ops_are_still_counted_one_by_one():
+    a = warm_add_mul()
+    with adaptive_eager(True):
+        with gated():
+            (a + 1) * 2
+        torch.kiln.synchronize()
+    executed = torch.kiln.get_executed_ops()
+    assert executed["aten::add.out"] == 1 and executed["aten::mul.out"] == 1
+    assert torch.kiln.get_fused_ops() == {"aten::add.out, aten::mul.out": 1}
+    torch.kiln.clear_op_tracking()
+    assert torch.kiln.get_fused_ops() == {}
+
+
+def test_profiler_names_a_group_of_one_op_as_the_unfused_kernel():
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        a.relu()
+    torch.kiln.synchronize()
+    with adaptive_eager(True):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+            with gated():
+                a.relu()
+            torch.kiln.synchronize()
+    kernels = [e.name for e in prof.events()
+               if e.device_type == DeviceType.PrivateUse1 and e.activity_type == "kernel"]
+    assert "aten::relu" in kernels, kernels
+    assert torch.kiln.get_fused_ops() == {}
+
+
+def test_profiler_names_the_fused_task_by_the_ops_it_replaced():
+    a = torch.randn(1000, device="kiln")
+    with adaptive_eager(False):
+        ((a + 1) * 2).relu()
+    torch.kiln.synchronize()
+    with adaptive_eager(True):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+            with gated():
+                ((a + 1) * 2).relu()
+            torch.kiln.synchronize()
+    kernels = [e.name for e in prof.events()
+               if e.device_type == DeviceType.PrivateUse1 and e.activity_type == "kernel"]
+    assert "kiln::fused(aten::add, aten::mul, aten::relu)" in kernels, kernels
+    assert "aten::add" not in kernels and "aten::mul" not in kernels
+
+
+def test_switch_from_the_environment():
+    code = """
+import torch, torch_kiln
+print(torch_kiln._C._adaptive_eager_enabled())
+a = torch.randn(1000, device="kiln")
+for _ in range(2):
+    gate = torch_kiln._C._gate_stream(60.0)
+    b = (a + 1) * 2
+    gate()
+    torch.kiln.synchronize()
+print(torch.kiln.get_fused_ops())
+"""
+    off = run_python(code, {"KILN_ADAPTIVE_EAGER": None})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split("\n")[:2] == ["False", "{}"]
+    zero = run_python(code, {"KILN_ADAPTIVE_EAGER": "0"})
+    assert zero.stdout.split("\n")[:2] == ["False", "{}"], zero.stderr
+    on = run_python(code, {"KILN_ADAPTIVE_EAGER": "1"})
+    assert on.returncode == 0, on.stderr
+    lines = on.stdout.split("\n")
+    assert lines[:2] == ["True", "{'aten::add.out, aten::mul.out': 2}"], on.stdout
+    bad = run_python("import torch, torch_kiln\ntorch.ones(2, device='kiln') + 1",
+                     {"KILN_ADAPTIVE_EAGER": "yes"})
+    assert bad.returncode != 0
+    assert "ValueError: KILN_ADAPTIVE_EAGER='yes' is invalid: expected 0" in bad.stderr
+
+
+def test_char_gpt_losses_with_fusion_on_equal_off(tmp_path):
+    script = os.path.join(ROOT, "examples", "train_char_gpt.py")
+    runs = {}
+    for value in ("0", "1"):
+        out = tmp_path / f"run-{value}.json"
+        env = dict(os.environ, KILN_ADAPTIVE_EAGER=value)
+        result = subprocess.run(
+            [sys.executable, script, "--device", "kiln", "--max-steps", "5", "--batch-size", "4",
+             "--block-size", "32", "--width", "32", "--layers", "2", "--heads", "2",
+             "--sample-length", "0", "--json", str(out)],
+            capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[value] = json.loads(out.read_text())
+    assert len(runs["0"]["steps"]) == 5
+    assert runs["1"]["steps"] == runs["0"]["steps"]  # bit-equal floats
+    assert runs["1"]["val_loss"] == runs["0"]["val_loss"]
+
+
+def test_ops_captured_into_a_graph_are_not_fused():
+    a = warm_add_mul()
+    with adaptive_eager(True):
+        graph = torch.kiln.KilnGraph()
+        with torch.kiln.graph(graph):
+            y = (a + 1) * 2
+        assert graph.num_nodes() == 2  # captured one by one, as without fusion
+        graph.replay()
+        torch.kiln.synchronize()
+    assert_same(y, (a.cpu() + 1) * 2)
+    assert torch.kiln.get_fused_ops() == {}
+    graph.reset()
