@@ -142,8 +142,9 @@ def _user_invoked_mark_step() -> bool:
 
 
 class _Manager:
-    """Process-wide state: the generation, pending backwards, and every live
-    record (to mark the outputs it handed out)."""
+    """Process-wide state: the generation, pending backwards, the static
+    outputs of live records, and the records whose outputs are out there (to
+    mark them when a new generation starts)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -151,8 +152,8 @@ class _Manager:
         # Forwards run since the last backward: a weak reference to the record
         # that replayed, or None for an eager run.
         self.pending_backward: list[Optional[weakref.ref]] = []
-        self.records: "weakref.WeakSet[_Record]" = weakref.WeakSet()
         self.output_ptrs: dict[int, weakref.ref] = {}  # static output storage address -> record
+        self.handed_out: "weakref.WeakSet[_Record]" = weakref.WeakSet()  # records with outputs out
 
     def begin_call(self, is_backward: bool) -> None:
         if is_backward:
@@ -165,8 +166,8 @@ class _Manager:
             return  # a forward's backward is still to come: same generation (as CUDA)
         self.generation = generation
         self.pending_backward.clear()
-        for record in list(self.records):
-            record.mark_outputs()
+        while self.handed_out:  # only records with outputs out there
+            self.handed_out.pop().mark_outputs()
 
     def _backward_pending(self) -> bool:
         return any(ref is None or ((r := ref()) is not None and r.outputs_alive())
@@ -262,7 +263,6 @@ class _Record:
         _stats["graphs_captured"] += 1
         self.seq = owner.pool_state.next_seq()
         owner.pool_state.records.add(self)
-        _manager.records.add(self)
         ref = weakref.ref(self)
         for ptr, _ in self.storages:
             _manager.output_ptrs[ptr] = ref
@@ -299,7 +299,8 @@ class _Record:
         return all(inputs[i].data_ptr() == ptr for i, ptr in self.inplace.items())
 
     def replay(self, inputs: list[Any]) -> list[Any]:
-        stream = torch.kiln.current_stream()
+        # The graph replays on its device's current stream, whatever device is current.
+        stream = torch.kiln.current_stream(self.owner.device_index)
         state = self.owner.pool_state
         if state.last_stream is not None and state.last_stream != stream:
             stream.wait_stream(state.last_stream)  # the pool's memory was last used there
@@ -321,6 +322,8 @@ class _Record:
         storages = [torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
                     for ptr, nbytes in self.storages]
         self.handed_out = [StorageWeakRef(s) for s in storages]
+        if storages:
+            _manager.handed_out.add(self)
         result = []
         for spec in self.output_specs:
             kind = spec[0]
@@ -449,8 +452,7 @@ class KilnGraphedFunction:
             if self.disabled is not None:
                 outputs = self._run_eagerly(args, "eager_runs")
             else:
-                with torch.kiln.device(self.device_index):
-                    outputs, record = self._call(args)
+                outputs, record = self._call(args)
             if not self.is_backward and not self.is_inference:
                 # Its backward is pending while its outputs live (a replay's),
                 # or until a backward runs (an eager run's, not tracked).
@@ -491,7 +493,8 @@ class KilnGraphedFunction:
                 return self._run_eagerly(args, "eager_runs"), None
             record = _Record(self, args)
             try:
-                record.capture(args)
+                with torch.kiln.device(self.device_index):  # the capture stream is per device
+                    record.capture(args)
             except RuntimeError as error:
                 self.disabled = f"skipping cudagraphs due to a kiln graph capture error: {error}"
                 _skip(self.disabled)
