@@ -358,14 +358,6 @@ def test_out_of_memory_inside_a_compiled_graph():
     assert_close(fn(x), expected)  # the device and the compiled function work afterwards
 
 
-def test_reduce_overhead_warns_and_runs_as_default_mode():
-    fn = torch.compile(lambda t: t.sin() * 2, mode="reduce-overhead")
-    x = torch.randn(8, device="kiln")
-    with pytest.warns(UserWarning, match="reduce-overhead' has no kiln graph capture yet"):
-        out = fn(x)
-    assert_close(out, x.sin() * 2)
-
-
 def test_kernels_take_their_thread_count_at_run_time():
     # Note [Intra-op threads of kiln kernels]: no thread count fixed at
     # compile time in kiln kernels, so torch.set_num_threads reaches them.

@@ -22,7 +22,9 @@ def test_counts_graphs_breaks_and_recompilations():
     kiln_compiler.reset_metrics()
     assert kiln_compiler.get_metrics() == {
         "graphs_compiled": 0, "frames_compiled": 0, "graph_breaks": {}, "graph_break_count": 0,
-        "recompilations": 0, "recompilation_reasons": [], "compile_seconds": 0.0}
+        "recompilations": 0, "recompilation_reasons": [], "compile_seconds": 0.0,
+        "kiln_graphs": {"graphs_captured": 0, "graph_replays": 0, "warmup_runs": 0,
+                        "eager_runs": 0, "skips": {}}}
 
     broken = torch.compile(_with_a_graph_break, backend="eager")
     x = torch.randn(3, device="kiln")

@@ -50,7 +50,8 @@ _CATEGORY_LIST = [
              "backend=torch.distributed.get_default_backend_for_device(device)"),
     Category("cuda-graphs", "CUDA graphs", "high", "fails", "needs a decision",
              "torch.accelerator.Graph (or torch.kiln.graph / KilnGraph, which mirror "
-             "torch.cuda's); on kiln, mode=\"reduce-overhead\" does not capture yet"),
+             "torch.cuda's), or torch.compile(mode=\"reduce-overhead\"), which captures "
+             "kiln graphs on kiln"),
     Category("nvtx", "NVTX range", "medium", "fails", "mechanical",
              'torch.profiler.record_function("name") (a context manager; works on every device)'),
     Category("cuda-extension", "custom CUDA extension", "high", "fails", "needs a kernel rewrite",

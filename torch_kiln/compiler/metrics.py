@@ -15,6 +15,13 @@ every device, kiln or not) and returns a plain dictionary::
         "recompilation_reasons": [str],  # why the first compiled version no longer fit
         "compile_seconds": float,      # wall seconds in Dynamo's frame compiles,
                                        # backend (Inductor) compilation included
+        "kiln_graphs": {               # mode="reduce-overhead" (inductor/reduce_overhead.py)
+            "graphs_captured": int,    # kiln graphs recorded
+            "graph_replays": int,      # calls served by a replay
+            "warmup_runs": int,        # calls that ran the compiled code to warm up
+            "eager_runs": int,         # calls that ran it without a graph (fallbacks)
+            "skips": {reason: count},  # graphs that run without kiln graphs, and why
+        },
     }
 
 ``reset_metrics()`` starts the counts again (``torch._dynamo.reset()`` does
@@ -43,6 +50,14 @@ def _dynamo_utils():
     return sys.modules.get("torch._dynamo.utils")
 
 
+def _kiln_graph_stats() -> dict:
+    module = sys.modules.get("torch_kiln.compiler.inductor.reduce_overhead")
+    if module is None:  # nothing used reduce-overhead on kiln
+        return {"graphs_captured": 0, "graph_replays": 0, "warmup_runs": 0, "eager_runs": 0,
+                "skips": {}}
+    return module.get_stats()
+
+
 def get_metrics() -> dict:
     """The counts described in this module's docstring, since the process
     started or since the last :func:`reset_metrics`."""
@@ -50,7 +65,7 @@ def get_metrics() -> dict:
     if utils is None:  # nothing was compiled: Dynamo was never imported
         return {"graphs_compiled": 0, "frames_compiled": 0, "graph_breaks": {},
                 "graph_break_count": 0, "recompilations": 0, "recompilation_reasons": [],
-                "compile_seconds": 0.0}
+                "compile_seconds": 0.0, "kiln_graphs": _kiln_graph_stats()}
     counters = utils.counters
     breaks: dict[str, int] = {}
     for reason, count in counters["graph_break"].items():
@@ -72,11 +87,15 @@ def get_metrics() -> dict:
         "recompilations": len(reasons),
         "recompilation_reasons": reasons,
         "compile_seconds": float(sum(seconds)),
+        "kiln_graphs": _kiln_graph_stats(),
     }
 
 
 def reset_metrics() -> None:
     """Sets every count of :func:`get_metrics` back to zero."""
+    module = sys.modules.get("torch_kiln.compiler.inductor.reduce_overhead")
+    if module is not None:
+        module.reset_stats()
     utils = _dynamo_utils()
     if utils is None:
         return

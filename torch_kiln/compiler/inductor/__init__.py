@@ -88,7 +88,7 @@ def register() -> None:
         import torch._dynamo.device_interface  # noqa: F401  (kiln's interface registers on import)
 
         from torch_kiln.compiler import register_dynamo_hooks
-        from torch_kiln.compiler.inductor import fixes
+        from torch_kiln.compiler.inductor import fixes, reduce_overhead
         from torch_kiln.compiler.inductor.cache_key import KilnCodegenPass
         from torch_kiln.compiler.inductor.device_op_overrides import KilnDeviceOpOverrides
         from torch_kiln.compiler.inductor.scheduling import KilnScheduling
@@ -110,4 +110,6 @@ def register() -> None:
             device_custom_pass=KilnCodegenPass(),
         )
         fixes.install()
+        # mode="reduce-overhead": kiln graphs (Note [Kiln graphs for reduce-overhead]).
+        reduce_overhead.install()
         _registered = True

@@ -12,9 +12,9 @@ backend registered first and kiln's defaults (``KILN_INDUCTOR_DEFAULTS``):
   ones (as on CUDA); the cost is that random ops are not fused.
 
 Otherwise the default backend (``torch.compile(model)``) gives the same code
-for kiln tensors. ``torch.compile(model, backend="kiln",
-options={...})`` is not available for custom backends; pass Inductor
-settings with ``torch._inductor.config.patch(...)`` around the first call.
+for kiln tensors. ``mode=`` and ``options=`` work as for the default backend
+(``torch._inductor.list_mode_options``; ``mode="reduce-overhead"`` captures
+kiln graphs, reduce_overhead.py); options override kiln's defaults.
 
 Failure policy (TorchNeuron's): a graph this backend cannot compile raises
 the compiler's error (Dynamo reports it as ``BackendCompilerFailed``; an
@@ -58,10 +58,31 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
+def _mode_and_options(mode: str | None, options: dict | None) -> dict:
+    """Inductor config patches for torch.compile's ``mode``/``options``, checked
+    as for the default backend (unknown modes and options raise RuntimeError)."""
+    wrapper = torch._TorchCompileInductorWrapper
+
+    class Options:  # the wrapper's own parsing, without its other effects
+        apply_mode = wrapper.apply_mode
+        apply_options = wrapper.apply_options
+
+        def __init__(self) -> None:
+            self.config: dict = {}
+            self.dynamic = None
+
+    parsed = Options()
+    parsed.apply_mode(mode)
+    parsed.apply_options(options)
+    return parsed.config
+
+
+def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None,
+                 options: dict | None = None, **kwargs: Any):
     """Dynamo backend: compiles ``gm`` with Inductor for kiln (and for any
-    other device among its tensors, as Inductor does). ``kwargs`` are passed
-    to ``compile_fx`` (e.g. ``config_patches``). Failures follow the policy
+    other device among its tensors, as Inductor does). ``mode`` and
+    ``options`` are torch.compile's; other ``kwargs`` are passed to
+    ``compile_fx`` (e.g. ``config_patches``). Failures follow the policy
     above."""
     from torch._inductor import compile_fx
 
@@ -69,7 +90,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: 
 
     policy = _fallback_policy()  # a bad setting is reported before compiling
     register()
-    kwargs["config_patches"] = {**KILN_INDUCTOR_DEFAULTS, **(kwargs.get("config_patches") or {})}
+    kwargs["config_patches"] = {**KILN_INDUCTOR_DEFAULTS, **_mode_and_options(mode, options),
+                                **(kwargs.get("config_patches") or {})}
     try:
         return compile_fx.compile_fx(gm, example_inputs, **kwargs)
     except Exception as error:

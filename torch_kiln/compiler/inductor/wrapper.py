@@ -9,20 +9,16 @@ graph on kiln, PyTorch's ``PythonWrapperCodegen`` with three kiln changes:
   ``device='kiln'`` for a device it does not know, which allocates on the
   *current* device, so a graph on kiln:1 put its outputs on kiln:0;
 * the header imports ``kiln_cpp_kernel`` (kernels.load_kernel).
+
+``mode="reduce-overhead"`` changes nothing here: the compiled callable is
+captured into kiln graphs after compilation (reduce_overhead.py).
 """
 
 from __future__ import annotations
 
 import torch
-from torch._inductor import config
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 from torch._inductor.virtualized import V
-
-
-_REDUCE_OVERHEAD_WARNING = (
-    "kiln: mode='reduce-overhead' has no kiln graph capture yet; this graph runs as with "
-    "the default mode (same results, no replay)"
-)
 
 
 def _device_index(device: torch.device) -> int:
@@ -54,15 +50,6 @@ class KilnPythonWrapperCodegen(PythonWrapperCodegen):
         self.imports.writeline(
             "from torch_kiln.compiler.inductor.kernels import load_kernel as kiln_cpp_kernel"
         )
-        if config.triton.cudagraphs:
-            # mode="reduce-overhead": Inductor's CUDA graph trees capture only
-            # CUDA devices and skip others with a log line. The warning is
-            # part of the generated module so that it is also given when the
-            # module comes from Inductor's cache (cudagraphs is in the key).
-            self.imports.writeline("import warnings")
-            self.imports.writeline(
-                f"warnings.warn({_REDUCE_OVERHEAD_WARNING!r}, stacklevel=1)"
-            )
 
     def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None, triton=True, **kwargs):
         device = device or V.graph.get_current_device_or_throw()

@@ -5,6 +5,7 @@
 #include <ATen/core/GraphImplInterface.h>
 #include <c10/core/DeviceType.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "core/KilnFunctions.h"
 #include "core/KilnGraph.h"
@@ -67,6 +68,19 @@ void bindGraphs(py::module_& m) {
         return std::unique_ptr<at::GraphImplInterface>(std::make_unique<KilnGraphImpl>(args));
       });
     }
+  });
+  // torch.compile(mode="reduce-overhead") on kiln marks the outputs of a
+  // replay that a later replay overwrites, as CUDA graph trees do with
+  // torch._C._set_storage_access_error_msg (a CUDA-build-only binding): any
+  // later access to the storage's data raises `msg` instead of reading
+  // overwritten memory. Only for storages that do not own their memory (the
+  // aliases torch_kiln/compiler/inductor/reduce_overhead.py hands out); the data
+  // pointer itself is kept. See Note [Kiln graphs for reduce-overhead].
+  // `storage` is a StorageImpl address (torch.UntypedStorage._cdata, or the
+  // cdata of a live torch.multiprocessing.reductions.StorageWeakRef).
+  m.def("_set_storage_access_error_msg", [](uintptr_t storage, std::string msg) {
+    reinterpret_cast<c10::StorageImpl*>(storage)->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        std::move(msg));
   });
   m.def("_is_current_stream_capturing", [] {
     return c10::kiln::isStreamCapturing(
