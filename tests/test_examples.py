@@ -11,20 +11,20 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(script, tmp_path, device, *args):
+def run_example(script, tmp_path, device, *args, env=None):
     out = tmp_path / f"{script}-{device}.json"
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", script), "--device", device,
          "--json", str(out), *args],
-        capture_output=True, text=True, timeout=1200)
+        capture_output=True, text=True, timeout=1200, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text()), result.stdout
 
 
 def assert_losses_agree(kiln, cpu, steps):
+    # Bit for bit: the README promises CPU's losses, not close ones.
     assert len(kiln["steps"]) == len(cpu["steps"]) == steps
-    for k, c in zip(kiln["steps"], cpu["steps"]):
-        assert abs(k - c) <= 1e-5 * abs(c), (k, c)
+    assert kiln["steps"] == cpu["steps"]
 
 
 def test_fashion_mnist_first_100_steps_match_cpu(tmp_path):
@@ -67,12 +67,18 @@ def test_examples_reject_bad_flags(script, args, message):
     assert message in result.stderr
 
 
-def test_char_gpt_first_100_steps_match_cpu(tmp_path):
-    kiln, _ = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", "100",
-                          "--sample-length", "20")
-    cpu, _ = run_example("train_char_gpt.py", tmp_path, "cpu", "--max-steps", "100",
-                         "--sample-length", "20")
-    assert_losses_agree(kiln, cpu, 100)
+@pytest.mark.parametrize("threads,steps", [(2, 100), (1, 30)])
+def test_char_gpt_first_steps_match_cpu(tmp_path, threads, steps):
+    # At both intra-op thread counts: the weight-gradient matmuls and
+    # layer_norm backward round differently at 1 and 2 threads on CPU
+    # (tests/test_intra_op_threads.py), and kiln must follow the count.
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    kiln, _ = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", str(steps),
+                          "--sample-length", "20", env=env)
+    cpu, _ = run_example("train_char_gpt.py", tmp_path, "cpu", "--max-steps", str(steps),
+                         "--sample-length", "20", env=env)
+    assert_losses_agree(kiln, cpu, steps)
+    assert kiln["val_loss"] == cpu["val_loss"]
     assert kiln["tokens_per_s"] > 0 and "val_loss" in kiln
 
 

@@ -59,3 +59,43 @@ def test_count_is_taken_when_the_kernel_is_issued():
     torch.set_num_threads(2)
     torch.kiln.synchronize()
     assert out.cpu().tolist()[0] == 1
+
+
+def _weight_grad_mm(device):
+    # The weight gradient of a Linear(2048 -> ...) layer: a long reduction
+    # (k = 2048) whose split over threads changes the float32 rounding on CPU.
+    torch.manual_seed(0)
+    a, b = torch.randn(2048, 128).t(), torch.randn(2048, 512)
+    return (a.to(device) @ b.to(device)).cpu()
+
+
+def _layer_norm_backward(device):
+    # native_layer_norm_backward of a (32, 64, 128) float32 input: the weight
+    # and bias gradients are summed per thread, then across threads.
+    torch.manual_seed(0)
+    x, grad, w, b = torch.randn(32, 64, 128), torch.randn(32, 64, 128), torch.randn(128), torch.randn(128)
+    _, mean, rstd = torch.native_layer_norm(x, (128,), w, b, 1e-5)
+    args = [t.to(device) for t in (grad, x)] + [(128,)] + [t.to(device) for t in (mean, rstd, w, b)]
+    return [t.cpu() for t in torch.ops.aten.native_layer_norm_backward(*args, [True, True, True])]
+
+
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_count_dependent_reductions_match_cpu_bit_for_bit(threads):
+    # The char GPT's (examples/train_char_gpt.py) ops whose CPU result depends
+    # on the intra-op thread count: kiln gives CPU's bits at the same count.
+    torch.set_num_threads(threads)
+    assert torch.equal(_weight_grad_mm("kiln"), _weight_grad_mm("cpu"))
+    for k, c in zip(_layer_norm_backward("kiln"), _layer_norm_backward("cpu")):
+        assert torch.equal(k, c)
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_layer_norm_backward_on_cpu_depends_on_the_thread_count():
+    # Why the test above runs at both counts: CPU's own bits change with it,
+    # so a kiln kernel run with another count would give other numbers.
+    torch.set_num_threads(1)
+    one = _layer_norm_backward("cpu")
+    torch.set_num_threads(2)
+    two = _layer_norm_backward("cpu")
+    assert not torch.equal(one[1], two[1])
