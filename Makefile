@@ -1,6 +1,7 @@
 # Kiln's two commands (see README.md):
 #   make demo   the main job: train two models on the kiln device
-#   make test   every test: runtime conformance (C API) and PyTorch-level tests
+#   make test   the tests: runtime conformance (C API) and PyTorch-level tests
+#               (`make test-full` adds the slow ones)
 # Both first install what is missing (Debian and Python packages, the build).
 # Other targets: deps, build, test-runtime, test-python, conformance,
 # conformance-compiled, bench, clean.
@@ -9,7 +10,7 @@ PYTHON ?= python3
 export PYTHON
 RUNTIME_BUILD := build/runtime-tests
 
-.PHONY: all deps build test test-runtime test-python conformance conformance-compiled demo bench clean
+.PHONY: all deps build test test-full test-runtime test-python test-python-full conformance conformance-compiled demo bench clean
 
 all: build
 
@@ -28,9 +29,16 @@ test-runtime: deps
 	ctest --test-dir $(RUNTIME_BUILD) --output-on-failure
 
 test-python: build
+	$(PYTHON) -m pytest tests -m "not slow" --durations=30
+
+# Every PyTorch-level test, also those marked slow (the 500-step char GPT on
+# both devices, the 4-rank --parallel runs).
+test-python-full: build
 	$(PYTHON) -m pytest tests --durations=30
 
 test: test-runtime test-python
+
+test-full: test-runtime test-python-full
 
 # PyTorch's OpInfo and ModuleInfo databases on kiln, every op, dtype and pass
 # (tests/conformance/); writes docs/conformance.md and runs/conformance.json.

@@ -82,6 +82,9 @@ def test_char_gpt_first_steps_match_cpu(tmp_path, threads, steps):
     assert kiln["tokens_per_s"] > 0 and "val_loss" in kiln
 
 
+# `make test-full` only (marker `slow`): the first-steps tests above already
+# compare kiln with CPU step by step; this is the demo's full run.
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["kiln", "cpu"])
 def test_char_gpt_500_steps_validation_loss_below_2_5(tmp_path, device):
     result, stdout = run_example("train_char_gpt.py", tmp_path, device, "--max-steps", "500")

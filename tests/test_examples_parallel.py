@@ -39,8 +39,10 @@ def one_process(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+# The 4-rank runs (a 2x2 mesh) are in `make test-full` only (marker `slow`).
 @pytest.mark.parametrize("mode,ranks", [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp+tp", 2),
-                                        ("tp", 4), ("fsdp+tp", 4)])
+                                        pytest.param("tp", 4, marks=pytest.mark.slow),
+                                        pytest.param("fsdp+tp", 4, marks=pytest.mark.slow)])
 def test_parallel_matches_one_process(tmp_path, one_process, mode, ranks):
     path = tmp_path / "run.json"
     env = dict(os.environ, KILN_DEVICE_COUNT=str(ranks))
