@@ -502,3 +502,61 @@ def test_make_graphed_callables_rejects_non_tensor_args_and_hooked_modules():
     module.register_forward_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="must not have hooks"):
         torch.kiln.make_graphed_callables(module, (torch.ones(1, 2, device="kiln"),))
+
+
+# ---------------------------------------------------------------- found by a fresh user
+
+SEED_IN_CAPTURE = "set_current_seed can be called during stream capture only if new seed is " \
+                  "the same as the original seed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["torch.kiln.manual_seed", "torch.manual_seed",
+                                  "generator.manual_seed"])
+def test_a_new_seed_during_capture_raises_as_on_cuda(device, form):
+    # A capture records kernels, not host calls: a reseed inside it used to
+    # take effect once, at capture, and never at replay.
+    from torch_kiln.kiln.random import _default_generator
+
+    gen = _default_generator(device)
+    own = torch.Generator(device=f"kiln:{device}").manual_seed(123)  # a user's generator
+    seed = {"torch.kiln.manual_seed": torch.kiln.manual_seed, "torch.manual_seed": torch.manual_seed,
+            "generator.manual_seed": own.manual_seed}[form]
+    with torch.kiln.device(device):
+        warm_up(lambda: torch.randn(4, device="kiln"))
+        torch.kiln.manual_seed(123)
+        g = torch.kiln.KilnGraph()
+        with pytest.raises(RuntimeError, match=SEED_IN_CAPTURE):
+            with torch.kiln.graph(g):
+                seed(0)
+        assert not torch.kiln.is_current_stream_capturing()
+        assert gen.initial_seed() == 123 and own.initial_seed() == 123
+        # The current seed again is a no-op, allowed (as CUDA).
+        with torch.kiln.graph(g):
+            seed(123)
+            y = torch.randn(4, device="kiln")
+        torch.kiln.manual_seed(123)
+        g.replay()
+        first = y.cpu()
+        torch.kiln.manual_seed(123)
+        assert_same(torch.randn(4, device="kiln"), first)
+
+
+@pytest.mark.parametrize("form", ["torch.kiln.set_rng_state", "generator.set_state",
+                                  "torch.kiln.seed"])
+def test_setting_the_generator_state_during_capture_raises(form):
+    from torch_kiln.kiln.random import _default_generator
+
+    gen = _default_generator(0)
+    state = gen.get_state()
+    call = {"torch.kiln.set_rng_state": lambda: torch.kiln.set_rng_state(state),
+            "generator.set_state": lambda: gen.set_state(state),
+            "torch.kiln.seed": torch.kiln.seed}[form]
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(RuntimeError, match="Cannot call KilnGeneratorImpl::(set_state|seed) "
+                                           "during kiln graph capture"):
+        with torch.kiln.graph(g):
+            call()
+    assert not torch.kiln.is_current_stream_capturing()
+    call()  # outside a capture it works
+
