@@ -560,3 +560,43 @@ def test_setting_the_generator_state_during_capture_raises(form):
     assert not torch.kiln.is_current_stream_capturing()
     call()  # outside a capture it works
 
+
+def test_graphed_callable_arguments_must_match_the_sample_args():
+    module = torch.nn.Linear(8, 4).to("kiln")
+    x = torch.randn(5, 8, device="kiln")
+    graphed = torch.kiln.make_graphed_callables(module, (x,))
+    expected = r"argument 0 must be a torch.float32 tensor of shape \(5, 8\) on kiln:0, like its " \
+               r"sample arg .*, got a torch."
+    for bad, given in [(torch.randn(3, 8, device="kiln"), r"float32 tensor of shape \(3, 8\) on kiln:0"),
+                       (torch.randn(1, 8, device="kiln"),  # used to broadcast silently
+                        r"float32 tensor of shape \(1, 8\) on kiln:0"),
+                       (torch.randn(5, 8, device="kiln", dtype=torch.float64),
+                        r"float64 tensor of shape \(5, 8\) on kiln:0"),
+                       (torch.randn(5, 8), r"float32 tensor of shape \(5, 8\) on cpu"),
+                       (torch.randn(5, 8, device="kiln:1"),
+                        r"float32 tensor of shape \(5, 8\) on kiln:1")]:
+        with pytest.raises(ValueError, match=expected + given):
+            graphed(bad)
+    with pytest.raises(TypeError, match=r"takes 1 tensor argument\(s\), like its sample_args, "
+                                        r"got 2"):
+        graphed(x, x)
+    f = torch.kiln.make_graphed_callables(lambda a, b: a * b,
+                                          (torch.ones(4, device="kiln", requires_grad=True),
+                                           torch.ones(4, device="kiln", requires_grad=True)))
+    with pytest.raises(TypeError, match=r"takes 2 tensor argument\(s\), like its sample_args, "
+                                        r"got 1"):
+        f(torch.ones(4, device="kiln"))
+    # The right arguments still work.
+    x2 = torch.randn(5, 8, device="kiln")
+    assert_same(graphed(x2).detach(), F.linear(x2, module.weight, module.bias).detach().cpu())
+    a, b = torch.randn(4, device="kiln"), torch.randn(4, device="kiln")
+    assert_same(f(a, b).detach(), (a * b).cpu())
+
+
+def test_graphing_non_kiln_sample_args_raises():
+    # Nothing on the CPU is captured: the graphed callable used to warn and
+    # return the capture-time output for every input.
+    with pytest.raises(RuntimeError, match="sample_args must be kiln tensors .*got tensors on "
+                                           "cpu"):
+        torch.kiln.make_graphed_callables(torch.nn.Linear(4, 2), (torch.zeros(3, 4),))
+
