@@ -600,3 +600,29 @@ def test_graphing_non_kiln_sample_args_raises():
                                            "cpu"):
         torch.kiln.make_graphed_callables(torch.nn.Linear(4, 2), (torch.zeros(3, 4),))
 
+
+@pytest.mark.parametrize("pool", [5, "pool", (1,), (1, 2.0)])
+def test_a_bad_pool_raises_a_type_error_naming_what_pool_must_be(pool):
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(TypeError, match=r"pool must be None or a pool token \(a tuple of two ints "
+                                        r"from torch.kiln.graph_pool_handle\(\)"):
+        with torch.kiln.graph(g, pool=pool):
+            pass
+    assert not torch.kiln.is_current_stream_capturing()
+    assert torch.kiln.current_stream() == torch.kiln.default_stream()
+
+
+def test_an_error_in_the_body_does_not_also_warn_the_graph_is_empty():
+    import warnings
+
+    torch.kiln.set_per_process_memory_fraction(0.001)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(torch.OutOfMemoryError, match="Kiln out of memory"):
+                with torch.kiln.graph(torch.kiln.KilnGraph()):
+                    torch.empty(64 * 1024 * 1024, device="kiln")
+    finally:
+        torch.kiln.set_per_process_memory_fraction(1.0)
+    assert not [w for w in caught if "graph is empty" in str(w.message)]
+    assert not torch.kiln.is_current_stream_capturing()
