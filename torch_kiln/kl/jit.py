@@ -41,6 +41,7 @@ import threading
 
 import torch
 
+from torch_kiln.kernels.autograd import guard_backward
 from torch_kiln.kernels.library import alias_names
 from torch_kiln.kl import ir, lowering, tile_model, tracer
 from torch_kiln.kl.errors import KernelError
@@ -296,6 +297,10 @@ class JITFunction:
         simulator.simulate(self.fn, entry["trace"], cpu_values, grid)
         for target, source in copies:
             target.copy_(source)
+        # (The compiled path's part-1 Kernel does this itself.)
+        guard_backward(f"kl::{self.name}", [values[p.name] for p in self.params
+                                            if p.kind == "tensor"],
+                       [values[p.name] for p in self.params if p.kind == "tensor" and p.written])
 
     def _cpu_impl(self, *flat):
         values, grid = self._unflatten(flat)
