@@ -214,19 +214,28 @@ class JITFunction:
         if not 1 <= len(grid) <= 3:
             raise ValueError(f"kl kernel {self.fn.__name__}: the grid has {len(grid)} dims; "
                              "give 1 to 3")
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+        grid = self._check_grid(tuple(grid) + (1,) * (3 - len(grid)), traced=True)
         self.op(*[values[p.name] for p in self.params], *grid)
+
+    def _check_grid(self, grid, traced: bool = False):
+        """The grid as 3 ints; ValueError unless each is a non-negative int
+        (a float, even 2.0, is refused, as Triton's launcher refuses it).
+        ``traced``: at the launch, where torch.compile passes SymInts (and a
+        0-dim integer tensor converts), only floats, bools and negative ints
+        are refused here; the operator's implementation checks the rest."""
+        for g in grid:
+            if traced and not isinstance(g, (bool, float, int, torch.SymFloat)):
+                continue
+            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
+                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
+                                 f"non-negative ints, got {type(g).__name__} {g!r}")
+        return grid if traced else tuple(int(g) for g in grid)
 
     # ------------------------------------------------------------ impls
     def _unflatten(self, flat):
         n = len(self.params)
         values = dict(zip((p.name for p in self.params), flat[:n]))
-        grid = tuple(flat[n:n + 3])
-        for g in grid:
-            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
-                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
-                                 "non-negative ints")
-        return values, tuple(int(g) for g in grid)
+        return values, self._check_grid(tuple(flat[n:n + 3]))
 
     def _spec(self, values):
         tensor_specs, scalar_kinds, constexprs = {}, {}, {}
