@@ -640,3 +640,24 @@ def test_kernels_without_grad_record_nothing(grad_ns_lib, mode):
     assert not out.requires_grad and out.grad_fn is None
     close(out, x.detach().cpu() * 3)
 
+
+
+def test_backward_through_a_compiled_operator_call_raises_too(grad_ns_lib, fresh_compile):
+    # Under torch.compile the kernel runs inside the compiled graph (grad
+    # mode off); the operator's Autograd kernel is traced instead, so the
+    # backward raises at compile time rather than giving x.grad == 2x.
+    torch._dynamo.reset()
+
+    def fn(o, t):
+        torch.ops.kiln_test_grad.scale(o, t, 2.0)
+        return (o * t).sum()
+
+    x = torch.arange(10, dtype=torch.float32, device="kiln", requires_grad=True)
+    with pytest.raises(Exception, match=NO_FORMULA.format("kiln_test_grad::scale")):
+        torch.compile(fn)(torch.empty(10, device="kiln"), x).backward()
+    torch._dynamo.reset()
+    # Without a tensor that requires grad it compiles and runs as before.
+    out = torch.empty(10, device="kiln")
+    result = torch.compile(fn)(out, x.detach())
+    close(result, (x.detach().cpu() ** 2 * 2).sum())
+    torch._dynamo.reset()

@@ -114,3 +114,10 @@ def test_backward_through_a_kl_kernel_raises_instead_of_dropping_the_gradient(de
     assert not out.requires_grad
     torch.testing.assert_close(out.cpu(), torch.softmax(x.detach().cpu(), -1),
                                **tol(torch.float32))
+
+
+def test_backward_through_a_compiled_kl_kernel_raises(fresh_compile):
+    x = (randn(37, 100, dtype=torch.float32) * 5).to("kiln").requires_grad_()
+    with pytest.raises(Exception, match=r"Trying to backward through kl::softmax_kernel "
+                                        r".*no autograd formula was registered"):
+        (torch.compile(kl_softmax.softmax)(x) + x).sum().backward()

@@ -53,8 +53,31 @@ def guard_backward(name: str, tensors: Sequence[torch.Tensor],
     Raises what an in-place op raises for a view of a leaf requiring grad."""
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         return
-    dirty = [t for t in written if t.is_floating_point() or t.is_complex()]
+    # (Skipping tensors already marked: an eager operator call is guarded by
+    # the kernel below autograd and then by autograd_kernel.)
+    dirty = [t for t in written if (t.is_floating_point() or t.is_complex()) and
+             type(t.grad_fn).__name__ != "_NoAutogradFormulaBackward"]
     if not dirty:
         return
     others = [t for t in tensors if t.requires_grad and not any(t is d for d in dirty)]
     _NoAutogradFormula.apply(name, len(dirty), *dirty, *others)
+
+
+def autograd_kernel(name: str, written_positions: Sequence[int]):
+    """The Autograd-key kernel of operator ``name`` (``namespace::opname``)
+    whose written tensor arguments are at ``written_positions``: the
+    operator below autograd, then guard_backward. Eager calls are already
+    guarded by the kernel itself; torch.compile traces through this kernel
+    (its fake implementation does not guard), so backward through a
+    compiled call raises too instead of leaving the kernel's gradient out."""
+    namespace, opname = name.split("::")
+
+    def kernel(keyset, *args):
+        op = getattr(getattr(torch.ops, namespace), opname).default
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        guard_backward(name, [a for a in args if isinstance(a, torch.Tensor)],
+                       [args[i] for i in written_positions])
+        return result
+
+    return kernel

@@ -41,7 +41,7 @@ import threading
 
 import torch
 
-from torch_kiln.kernels.autograd import guard_backward
+from torch_kiln.kernels.autograd import autograd_kernel, guard_backward
 from torch_kiln.kernels.library import alias_names
 from torch_kiln.kl import ir, lowering, tile_model, tracer
 from torch_kiln.kl.errors import KernelError
@@ -152,6 +152,9 @@ class JITFunction:
         lib.impl(name, self._kiln_impl, "PrivateUse1")
         lib.impl(name, self._cpu_impl, "CPU")
         torch.library.register_fake(f"kl::{name}", lambda *args: None, lib=lib)
+        lib.impl(name, autograd_kernel(f"kl::{name}", [i for i, p in enumerate(self.params)
+                                                        if p.kind == "tensor" and p.written]),
+                 "Autograd", with_keyset=True)
         self.op = getattr(torch.ops.kl, name).default
         return name
 
