@@ -597,3 +597,81 @@ def test_a_damaged_cached_library_is_rebuilt(kernel_cache):
                             timeout=120, env=dict(os.environ, KILN_KERNELS_CACHE_DIR=str(kernel_cache)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["6.0", "True"], result.stdout
+
+
+# ---------------------------------------------------------------- autograd (no formula)
+
+NO_FORMULA = "Trying to backward through {} \\(a custom kiln kernel\\) but no autograd formula " \
+             "was registered"
+
+
+@pytest.fixture(scope="module")
+def grad_ns_lib():
+    return kernels.load_inline("test_grad_ns_ext", SCALE, SCALE_SIGNATURES,
+                               namespace="kiln_test_grad")
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("form", ["direct", "torch.ops"])
+def test_backward_through_a_kernel_raises_instead_of_dropping_the_gradient(grad_ns_lib, device,
+                                                                           form):
+    # scale(out, x, 2) then (out * x).sum(): the true x.grad is 4x; without a
+    # formula autograd used to see only the `* x` path and give 2x, silently.
+    call = grad_ns_lib.scale if form == "direct" else torch.ops.kiln_test_grad.scale
+    x = torch.arange(10, dtype=torch.float32, device=device, requires_grad=True)
+    out = torch.empty(10, device=device)
+    call(out, x, 2.0)
+    assert out.requires_grad and out.grad_fn is not None
+    close(out.detach(), x.detach().cpu() * 2)  # the forward is unchanged
+    loss = (out * x).sum()
+    with pytest.raises(RuntimeError, match=NO_FORMULA.format("test_grad_ns_ext::scale")) as info:
+        loss.backward()
+    assert "register_autograd" in str(info.value) and "torch.no_grad()" in str(info.value)
+    # A non-leaf written tensor that requires grad: overwriting it is not
+    # differentiable either (leaf.grad used to come out as ones).
+    leaf = torch.ones(10, device=device, requires_grad=True)
+    out = leaf * 1
+    call(out, x.detach(), 2.0)
+    with pytest.raises(RuntimeError, match=NO_FORMULA.format("test_grad_ns_ext::scale")):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no input requires grad"])
+def test_kernels_without_grad_record_nothing(grad_ns_lib, mode):
+    x = torch.arange(10, dtype=torch.float32, device="kiln",
+                     requires_grad=mode != "no input requires grad")
+    out = torch.empty(10, device="kiln")
+    if mode == "inference_mode":
+        with torch.inference_mode():
+            out = torch.empty(10, device="kiln")
+            x = torch.arange(10, dtype=torch.float32, device="kiln")
+            grad_ns_lib.scale(out, x, 3.0)
+            torch.ops.kiln_test_grad.scale(out, out, 1.0)
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+            grad_ns_lib.scale(out, x, 3.0)
+            torch.ops.kiln_test_grad.scale(out, out, 1.0)
+    assert not out.requires_grad and out.grad_fn is None
+    close(out, x.detach().cpu() * 3)
+
+
+
+def test_backward_through_a_compiled_operator_call_raises_too(grad_ns_lib, fresh_compile):
+    # Under torch.compile the kernel runs inside the compiled graph (grad
+    # mode off); the operator's Autograd kernel is traced instead, so the
+    # backward raises at compile time rather than giving x.grad == 2x.
+    torch._dynamo.reset()
+
+    def fn(o, t):
+        torch.ops.kiln_test_grad.scale(o, t, 2.0)
+        return (o * t).sum()
+
+    x = torch.arange(10, dtype=torch.float32, device="kiln", requires_grad=True)
+    with pytest.raises(Exception, match=NO_FORMULA.format("kiln_test_grad::scale")):
+        torch.compile(fn)(torch.empty(10, device="kiln"), x).backward()
+    torch._dynamo.reset()
+    # Without a tensor that requires grad it compiles and runs as before.
+    out = torch.empty(10, device="kiln")
+    result = torch.compile(fn)(out, x.detach())
+    close(result, (x.detach().cpu() ** 2 * 2).sum())
+    torch._dynamo.reset()

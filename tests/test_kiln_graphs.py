@@ -502,3 +502,127 @@ def test_make_graphed_callables_rejects_non_tensor_args_and_hooked_modules():
     module.register_forward_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="must not have hooks"):
         torch.kiln.make_graphed_callables(module, (torch.ones(1, 2, device="kiln"),))
+
+
+# ---------------------------------------------------------------- found by a fresh user
+
+SEED_IN_CAPTURE = "set_current_seed can be called during stream capture only if new seed is " \
+                  "the same as the original seed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["torch.kiln.manual_seed", "torch.manual_seed",
+                                  "generator.manual_seed"])
+def test_a_new_seed_during_capture_raises_as_on_cuda(device, form):
+    # A capture records kernels, not host calls: a reseed inside it used to
+    # take effect once, at capture, and never at replay.
+    from torch_kiln.kiln.random import _default_generator
+
+    gen = _default_generator(device)
+    own = torch.Generator(device=f"kiln:{device}").manual_seed(123)  # a user's generator
+    seed = {"torch.kiln.manual_seed": torch.kiln.manual_seed, "torch.manual_seed": torch.manual_seed,
+            "generator.manual_seed": own.manual_seed}[form]
+    with torch.kiln.device(device):
+        warm_up(lambda: torch.randn(4, device="kiln"))
+        torch.kiln.manual_seed(123)
+        g = torch.kiln.KilnGraph()
+        with pytest.raises(RuntimeError, match=SEED_IN_CAPTURE):
+            with torch.kiln.graph(g):
+                seed(0)
+        assert not torch.kiln.is_current_stream_capturing()
+        assert gen.initial_seed() == 123 and own.initial_seed() == 123
+        # The current seed again is a no-op, allowed (as CUDA).
+        with torch.kiln.graph(g):
+            seed(123)
+            y = torch.randn(4, device="kiln")
+        torch.kiln.manual_seed(123)
+        g.replay()
+        first = y.cpu()
+        torch.kiln.manual_seed(123)
+        assert_same(torch.randn(4, device="kiln"), first)
+
+
+@pytest.mark.parametrize("form", ["torch.kiln.set_rng_state", "generator.set_state",
+                                  "torch.kiln.seed"])
+def test_setting_the_generator_state_during_capture_raises(form):
+    from torch_kiln.kiln.random import _default_generator
+
+    gen = _default_generator(0)
+    state = gen.get_state()
+    call = {"torch.kiln.set_rng_state": lambda: torch.kiln.set_rng_state(state),
+            "generator.set_state": lambda: gen.set_state(state),
+            "torch.kiln.seed": torch.kiln.seed}[form]
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(RuntimeError, match="Cannot call KilnGeneratorImpl::(set_state|seed) "
+                                           "during kiln graph capture"):
+        with torch.kiln.graph(g):
+            call()
+    assert not torch.kiln.is_current_stream_capturing()
+    call()  # outside a capture it works
+
+
+def test_graphed_callable_arguments_must_match_the_sample_args():
+    module = torch.nn.Linear(8, 4).to("kiln")
+    x = torch.randn(5, 8, device="kiln")
+    graphed = torch.kiln.make_graphed_callables(module, (x,))
+    expected = r"argument 0 must be a torch.float32 tensor of shape \(5, 8\) on kiln:0, like its " \
+               r"sample arg .*, got a torch."
+    for bad, given in [(torch.randn(3, 8, device="kiln"), r"float32 tensor of shape \(3, 8\) on kiln:0"),
+                       (torch.randn(1, 8, device="kiln"),  # used to broadcast silently
+                        r"float32 tensor of shape \(1, 8\) on kiln:0"),
+                       (torch.randn(5, 8, device="kiln", dtype=torch.float64),
+                        r"float64 tensor of shape \(5, 8\) on kiln:0"),
+                       (torch.randn(5, 8), r"float32 tensor of shape \(5, 8\) on cpu"),
+                       (torch.randn(5, 8, device="kiln:1"),
+                        r"float32 tensor of shape \(5, 8\) on kiln:1")]:
+        with pytest.raises(ValueError, match=expected + given):
+            graphed(bad)
+    with pytest.raises(TypeError, match=r"takes 1 tensor argument\(s\), like its sample_args, "
+                                        r"got 2"):
+        graphed(x, x)
+    f = torch.kiln.make_graphed_callables(lambda a, b: a * b,
+                                          (torch.ones(4, device="kiln", requires_grad=True),
+                                           torch.ones(4, device="kiln", requires_grad=True)))
+    with pytest.raises(TypeError, match=r"takes 2 tensor argument\(s\), like its sample_args, "
+                                        r"got 1"):
+        f(torch.ones(4, device="kiln"))
+    # The right arguments still work.
+    x2 = torch.randn(5, 8, device="kiln")
+    assert_same(graphed(x2).detach(), F.linear(x2, module.weight, module.bias).detach().cpu())
+    a, b = torch.randn(4, device="kiln"), torch.randn(4, device="kiln")
+    assert_same(f(a, b).detach(), (a * b).cpu())
+
+
+def test_graphing_non_kiln_sample_args_raises():
+    # Nothing on the CPU is captured: the graphed callable used to warn and
+    # return the capture-time output for every input.
+    with pytest.raises(RuntimeError, match="sample_args must be kiln tensors .*got tensors on "
+                                           "cpu"):
+        torch.kiln.make_graphed_callables(torch.nn.Linear(4, 2), (torch.zeros(3, 4),))
+
+
+@pytest.mark.parametrize("pool", [5, "pool", (1,), (1, 2.0)])
+def test_a_bad_pool_raises_a_type_error_naming_what_pool_must_be(pool):
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(TypeError, match=r"pool must be None or a pool token \(a tuple of two ints "
+                                        r"from torch.kiln.graph_pool_handle\(\)"):
+        with torch.kiln.graph(g, pool=pool):
+            pass
+    assert not torch.kiln.is_current_stream_capturing()
+    assert torch.kiln.current_stream() == torch.kiln.default_stream()
+
+
+def test_an_error_in_the_body_does_not_also_warn_the_graph_is_empty():
+    import warnings
+
+    torch.kiln.set_per_process_memory_fraction(0.001)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(torch.OutOfMemoryError, match="Kiln out of memory"):
+                with torch.kiln.graph(torch.kiln.KilnGraph()):
+                    torch.empty(64 * 1024 * 1024, device="kiln")
+    finally:
+        torch.kiln.set_per_process_memory_fraction(1.0)
+    assert not [w for w in caught if "graph is empty" in str(w.message)]
+    assert not torch.kiln.is_current_stream_capturing()

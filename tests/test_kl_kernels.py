@@ -91,3 +91,33 @@ def test_kernels_under_torch_compile(fresh_compile):
     torch.testing.assert_close(compiled(xk, wk).cpu(), f(xk, wk).cpu())
     expected = torch.softmax(kl_rms_norm.reference(x, w, 1e-6) * 2, -1)
     torch.testing.assert_close(compiled(xk, wk).cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("simulate", [False, True])
+def test_backward_through_a_kl_kernel_raises_instead_of_dropping_the_gradient(device, simulate,
+                                                                              monkeypatch):
+    # kl kernels have no autograd formula: with an input that requires grad,
+    # backward through the written tensor raises (it used to give no grad_fn,
+    # or, mixed with other ops, silently drop the kernel's part of the grad).
+    monkeypatch.setenv("KILN_KL_SIMULATE", "1" if simulate else "0")
+    x = (randn(37, 100, dtype=torch.float32) * 5).to(device).requires_grad_()
+    out = kl_softmax.softmax(x)
+    torch.testing.assert_close(out.detach().cpu(), torch.softmax(x.detach().cpu(), -1),
+                               **tol(torch.float32))
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=r"Trying to backward through kl::softmax_kernel "
+                                           r".*no autograd formula was registered"):
+        (out + x).sum().backward()
+    with torch.no_grad():
+        out = kl_softmax.softmax(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out.cpu(), torch.softmax(x.detach().cpu(), -1),
+                               **tol(torch.float32))
+
+
+def test_backward_through_a_compiled_kl_kernel_raises(fresh_compile):
+    x = (randn(37, 100, dtype=torch.float32) * 5).to("kiln").requires_grad_()
+    with pytest.raises(Exception, match=r"Trying to backward through kl::softmax_kernel "
+                                        r".*no autograd formula was registered"):
+        (torch.compile(kl_softmax.softmax)(x) + x).sum().backward()

@@ -277,6 +277,14 @@ def test_bad_calls(device):
         fill[(1, 65536)](out, 1.0, BLOCK=4)
     with pytest.raises(ValueError, match="65536 programs on axis 2; at most 65535"):
         fill[(1, 1, 65536)](out, 1.0, BLOCK=4)
+    # A float grid is refused by kl, like the others (not by the operator's
+    # schema, whose message names kl_grid0).
+    for grid in [(1.5,), (2.0,), (1, 2.0), lambda meta: (1.0,)]:
+        with pytest.raises(ValueError, match=r"kl kernel fill: grid .* must be non-negative "
+                                             r"ints, got float"):
+            fill[grid](out, 1.0, BLOCK=4)
+    with pytest.raises(ValueError, match="must be non-negative ints, got bool"):
+        fill[(True,)](out, 1.0, BLOCK=4)
     fill[(1,)](out, 2.5, BLOCK=4)
     assert torch.equal(out.cpu(), torch.full((4,), 2.5))
 

@@ -8,7 +8,9 @@ task on the current stream of the tensors' kiln device, the same launch path
 as eager kiln ops and torch.compile's kernels (aten/GeneratedKernels.h), so
 the call returns at once and the kernel runs in stream order. Each launch is
 counted in ``torch.kiln.get_executed_ops()`` and appears in the profiler's
-device track under ``<library>::<kernel>``.
+device track under ``<library>::<kernel>``. A kernel has no autograd
+formula: with grad mode on and an argument that requires grad, backward
+through its written tensors raises (autograd.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import operator
 
 import torch
 
+from torch_kiln.kernels.autograd import guard_backward
 from torch_kiln.kernels.signature import DTYPE_CODES, DTYPE_NAMES, Signature
 
 _DESCRIPTION = "a custom kiln kernel (torch_kiln.kernels)"
@@ -72,6 +75,8 @@ class Kernel:
         # overwritten raises at backward instead of giving wrong gradients).
         for tensor in written:
             torch.autograd.graph.increment_version(tensor)
+        guard_backward(self.qualified_name, [a for a in args if isinstance(a, torch.Tensor)],
+                       written)
 
     # ------------------------------------------------------------ checks
 

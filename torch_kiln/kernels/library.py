@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from torch_kiln.kernels import build
+from torch_kiln.kernels.autograd import autograd_kernel
 from torch_kiln.kernels.launch import Kernel
 from torch_kiln.kernels.signature import parse
 
@@ -39,7 +40,8 @@ class KernelLibrary:
     ``torch.ops.<namespace>.<kernel>`` (schema: ``operator_schema``), with a
     kiln implementation (the kernel) and a fake one (it returns nothing and
     mutates its written tensors in place), so it works in eager code and as
-    one node under torch.compile."""
+    one node under torch.compile; and an Autograd kernel that makes backward
+    through it raise (autograd.py)."""
 
     def __init__(self, name: str, path, signatures: Sequence[str], namespace: str | None = None):
         self.name = name
@@ -85,6 +87,10 @@ class KernelLibrary:
             library.impl(kernel_name, kernel, "PrivateUse1")
             torch.library.register_fake(f"{namespace}::{kernel_name}",
                                         lambda *args, **kwargs: None, lib=library)
+            written = [i for i, a in enumerate(kernel.signature.arguments)
+                       if a.kind == "tensor" and a.written]
+            library.impl(kernel_name, autograd_kernel(f"{namespace}::{kernel_name}", written),
+                         "Autograd", with_keyset=True)
         self._torch_library = library  # the registrations live as long as this object
 
     def __getattr__(self, attr: str) -> Kernel:

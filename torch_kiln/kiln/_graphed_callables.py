@@ -8,7 +8,9 @@ reverse order, all in one memory pool, and wrap each pair in an
 static inputs and replays the forward graph, and whose backward copies the
 incoming gradients into the static gradient outputs and replays the backward
 graph. The same restrictions apply: arguments are tensors only, passed in the
-order and format of ``sample_args``; modules have no hooks when passed and
+order and format of ``sample_args`` (a call with another number of arguments,
+or tensors of another shape, dtype or device, raises; so do sample_args that
+are not kiln tensors); modules have no hooks when passed and
 only their parameters require grad; no double backward; the outputs of one
 call are overwritten by the next (they live in the graph's memory).
 """
@@ -34,6 +36,34 @@ def _check_callable(fn: Any, flat_args: tuple) -> None:
     if not all(isinstance(a, torch.Tensor) for a in flat_args):
         raise TypeError("make_graphed_callables: sample_args may only contain tensors, got "
                         + ", ".join(sorted({type(a).__name__ for a in flat_args})))
+    other = sorted({str(a.device) for a in flat_args if a.device.type != "kiln"})
+    if other:
+        # Nothing on another device is captured: the graphed callable would
+        # return the capture-time outputs forever.
+        raise RuntimeError("make_graphed_callables: sample_args must be kiln tensors (a kiln "
+                           f"graph captures only kiln work), got tensors on {', '.join(other)}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _check_call_args(flat: tuple, surface: tuple, n_user_args: int) -> None:
+    """Arguments of a graphed callable must match its sample_args: same count,
+    and tensors of the same shape, dtype and device (they are copied into the
+    captured inputs; CUDA's copy_ would broadcast or convert silently)."""
+    if len(flat) != n_user_args:
+        raise TypeError(f"graphed callable (make_graphed_callables) takes {n_user_args} tensor "
+                        f"argument(s), like its sample_args, got {len(flat)}")
+    for i, (arg, static) in enumerate(zip(flat, surface)):
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"graphed callable (make_graphed_callables): argument {i} must be a "
+                            f"{_describe(static)}, like its sample arg, got "
+                            f"{type(arg).__name__}")
+        if arg.shape != static.shape or arg.dtype != static.dtype or arg.device != static.device:
+            raise ValueError(f"graphed callable (make_graphed_callables): argument {i} must be a "
+                             f"{_describe(static)}, like its sample arg (the graph was captured "
+                             f"for it), got a {_describe(arg)}")
 
 
 def _grads(outputs, inputs, grad_outputs, allow_unused):
@@ -153,6 +183,7 @@ def _graphed_function(fwd, bwd, module_params, n_user_args, spec, surface, stati
 
     def functionalized(*user_args):
         flat = tuple(pytree.arg_tree_leaves(*user_args))
+        _check_call_args(flat, surface, n_user_args)
         return pytree.tree_unflatten(Graphed.apply(*(flat + module_params)), spec)
 
     return functionalized

@@ -93,17 +93,28 @@ class KilnGraph(_C._KilnGraph):
         Raises RuntimeError on the default stream, a stream already capturing, or a
         graph that already holds a capture (call :meth:`reset` first).
         """
+        if pool is not None and not (isinstance(pool, (tuple, list)) and len(pool) == 2 and
+                                     all(isinstance(p, int) and not isinstance(p, bool)
+                                         for p in pool)):
+            raise TypeError("kiln graph capture: pool must be None or a pool token (a tuple of "
+                            "two ints from torch.kiln.graph_pool_handle() or "
+                            f"other_graph.pool()), got {type(pool).__name__} {pool!r}")
         super().capture_begin(pool=(0, 0) if pool is None else tuple(pool),
                               capture_error_mode=capture_error_mode)
 
     def capture_end(self) -> None:
         """Ends the capture. Raises RuntimeError if an operation invalidated it; warns
         (as CUDA does) if nothing was captured."""
-        super().capture_end()
+        self._capture_end_quietly()
         if super().num_nodes() == 0:
             warnings.warn(
                 "The kiln graph is empty. This usually means that the graph was attempted to be "
                 "captured on the wrong device or stream.", stacklevel=2)
+
+    def _capture_end_quietly(self) -> None:
+        """capture_end without the empty-graph warning (for a capture whose body
+        raised: its error, not an empty graph, is the news)."""
+        super().capture_end()
 
     def instantiate(self) -> None:
         """No-op (kiln graphs are launchable when captured); kept for CUDA compatibility."""
@@ -196,7 +207,7 @@ class graph:
                 # The body failed: end the capture quietly so the body's own
                 # error is what the user sees.
                 try:
-                    self.kiln_graph.capture_end()
+                    self.kiln_graph._capture_end_quietly()
                 except RuntimeError:
                     pass
                 self.kiln_graph.reset()

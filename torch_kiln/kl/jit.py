@@ -41,6 +41,7 @@ import threading
 
 import torch
 
+from torch_kiln.kernels.autograd import autograd_kernel, guard_backward
 from torch_kiln.kernels.library import alias_names
 from torch_kiln.kl import ir, lowering, tile_model, tracer
 from torch_kiln.kl.errors import KernelError
@@ -156,6 +157,9 @@ class JITFunction:
         lib.impl(name, self._kiln_impl, "PrivateUse1")
         lib.impl(name, self._cpu_impl, "CPU")
         torch.library.register_fake(f"kl::{name}", lambda *args: None, lib=lib)
+        lib.impl(name, autograd_kernel(f"kl::{name}", [i for i, p in enumerate(self.params)
+                                                        if p.kind == "tensor" and p.written]),
+                 "Autograd", with_keyset=True)
         self.op = getattr(torch.ops.kl, name).default
         return name
 
@@ -218,24 +222,32 @@ class JITFunction:
         if not 1 <= len(grid) <= 3:
             raise ValueError(f"kl kernel {self.fn.__name__}: the grid has {len(grid)} dims; "
                              "give 1 to 3")
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+        grid = self._check_grid(tuple(grid) + (1,) * (3 - len(grid)), traced=True)
         self.op(*[values[p.name] for p in self.params], *grid)
+
+    def _check_grid(self, grid, traced: bool = False):
+        """The grid as 3 ints; ValueError unless each is a non-negative int
+        (a float, even 2.0, is refused, as Triton's launcher refuses it).
+        ``traced``: at the launch, where torch.compile passes SymInts (and a
+        0-dim integer tensor converts), only floats, bools and negative ints
+        are refused here; the operator's implementation checks the rest."""
+        for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
+            if traced and not isinstance(g, (bool, float, int, torch.SymFloat)):
+                continue
+            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
+                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
+                                 f"non-negative ints, got {type(g).__name__} {g!r}")
+            if g > limit:
+                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} has {g} programs "
+                                 f"on axis {axis}; at most {limit} are allowed there (CUDA's "
+                                 f"grid limits, {MAX_GRID})")
+        return grid if traced else tuple(int(g) for g in grid)
 
     # ------------------------------------------------------------ impls
     def _unflatten(self, flat):
         n = len(self.params)
         values = dict(zip((p.name for p in self.params), flat[:n]))
-        grid = tuple(flat[n:n + 3])
-        for g in grid:
-            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
-                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
-                                 "non-negative ints")
-        for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
-            if g > limit:
-                raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} has {g} programs "
-                                 f"on axis {axis}; at most {limit} are allowed there (CUDA's "
-                                 f"grid limits, {MAX_GRID})")
-        return values, tuple(int(g) for g in grid)
+        return values, self._check_grid(tuple(flat[n:n + 3]))
 
     def _spec(self, values):
         tensor_specs, scalar_kinds, constexprs = {}, {}, {}
@@ -306,6 +318,10 @@ class JITFunction:
         simulator.simulate(self.fn, entry["trace"], cpu_values, grid)
         for target, source in copies:
             target.copy_(source)
+        # (The compiled path's part-1 Kernel does this itself.)
+        guard_backward(f"kl::{self.name}", [values[p.name] for p in self.params
+                                            if p.kind == "tensor"],
+                       [values[p.name] for p in self.params if p.kind == "tensor" and p.written])
 
     def _cpu_impl(self, *flat):
         values, grid = self._unflatten(flat)

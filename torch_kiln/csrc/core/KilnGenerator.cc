@@ -83,7 +83,23 @@ at::Generator KilnGeneratorImpl::engineForLaunch(const KilnStream& stream) {
   return engine_;
 }
 
+bool KilnGeneratorImpl::capturingOnCurrentStream() const {
+  return anyCaptureUnderway() && isStreamCapturing(getCurrentKilnStream(device().index()));
+}
+
+// Seeding during a kiln graph capture is refused as CUDA refuses it
+// (CUDAGeneratorImpl::set_current_seed / set_state): a capture records
+// kernels, not host calls, so a reseed inside it would take effect once, now,
+// and never at replay. Re-setting the current seed is a no-op and allowed.
 void KilnGeneratorImpl::set_current_seed(uint64_t seed) {
+  if (C10_UNLIKELY(capturingOnCurrentStream())) {
+    TORCH_CHECK(current_seed() == seed,
+                "KilnGeneratorImpl::set_current_seed can be called during stream capture only "
+                "if new seed is the same as the original seed (current seed ", current_seed(),
+                ", new seed ", seed, "). A kiln graph records kernels, not host calls: seed "
+                "before the capture (each replay continues the captured random stream).");
+    return;
+  }
   waitForLaunchedKernels();
   std::lock_guard<std::mutex> lock(engine_.mutex());
   engine_.set_current_seed(seed);
@@ -95,6 +111,9 @@ uint64_t KilnGeneratorImpl::current_seed() const {
 }
 
 uint64_t KilnGeneratorImpl::seed() {
+  TORCH_CHECK(!capturingOnCurrentStream(),
+              "Cannot call KilnGeneratorImpl::seed during kiln graph capture: seed before the "
+              "capture.");
   const uint64_t random = c10::detail::getNonDeterministicRandom();
   set_current_seed(random);
   return random;
@@ -111,6 +130,10 @@ uint64_t KilnGeneratorImpl::get_offset() const {
 }
 
 void KilnGeneratorImpl::set_state(const c10::TensorImpl& new_state) {
+  TORCH_CHECK(!capturingOnCurrentStream(),
+              "Cannot call KilnGeneratorImpl::set_state during kiln graph capture: a kiln graph "
+              "records kernels, not host calls, so the state would be set once, now, and never "
+              "at replay. Set the generator state before the capture.");
   waitForLaunchedKernels();
   std::lock_guard<std::mutex> lock(engine_.mutex());
   engine_.unsafeGetGeneratorImpl()->set_state(new_state);

@@ -48,6 +48,8 @@ class KilnGeneratorImpl final : public c10::GeneratorImpl {
   KilnGeneratorImpl* clone_impl() const override;
   // Blocks until random kernels launched with this generator have run.
   void waitForLaunchedKernels() const;
+  // True while the current stream of this generator's device is capturing a kiln graph.
+  bool capturingOnCurrentStream() const;
 
   mutable at::Generator engine_; // a CPUGeneratorImpl (mutable: its lock is taken in const reads)
   mutable std::mutex launch_mutex_;
