@@ -133,6 +133,28 @@ def test_dynamic_shapes():
         assert_close(fn(x, y), (x.exp() * y).sum(0) / rows)
 
 
+@pytest.mark.parametrize("sync", ["torch.kiln.synchronize", "torch.accelerator.synchronize",
+                                  "stream.synchronize"])
+def test_synchronize_between_kernels_of_a_graph(sync):
+    # A device-less extern call (streams.synchronize_device) between fused
+    # kernels: the buffered kernel is launched before it, and the inputs it
+    # reads are freed after it (Inductor emitted `del arg0_1` first, then the
+    # launch: UnboundLocalError).
+    def f(x):
+        y = x + 1
+        if sync == "torch.kiln.synchronize":
+            torch.kiln.synchronize()
+        elif sync == "torch.accelerator.synchronize":
+            torch.accelerator.synchronize()
+        else:
+            torch.kiln.current_stream().synchronize()
+        return y * 3
+
+    torch._dynamo.reset()
+    x = torch.randn(8, device="kiln")
+    assert torch.equal(torch.compile(f)(x).cpu(), f(x).cpu())
+
+
 def test_mutations_of_inputs_and_their_views_are_visible():
     def mutate(a, b):
         a.add_(b)

@@ -85,6 +85,30 @@ def _fix_scheduler_loop_passes() -> None:
     BaseSchedulerNode.is_cpu = is_cpu
 
 
+def _fix_flush_before_deviceless_extern_calls() -> None:
+    # Trap: Inductor's scheduler flushes the backend's buffered kernels
+    # before an extern call only when the call's node has a device
+    # (`if device := node.get_device(): ... if node.is_extern(): flush()`).
+    # The C++ backend kiln uses buffers a whole kernel group until a flush,
+    # so a device-less extern op between kernels — torch.kiln.synchronize()
+    # traced as streams.synchronize_device — was emitted before the kernels
+    # it follows, and the buffer frees written after it (`del arg0_1`) came
+    # before the kernel launch that reads them: UnboundLocalError at run
+    # time. On kiln the buffered kernels are flushed before every extern
+    # call, as they are before one that has a device.
+    from torch._inductor.scheduler import Scheduler
+
+    original = Scheduler.codegen_extern_call
+
+    def codegen_extern_call(self, scheduler_node):
+        if (self.current_device is not None and self.current_device.type == "kiln"
+                and scheduler_node.get_device() is None):
+            self.flush()
+        return original(self, scheduler_node)
+
+    Scheduler.codegen_extern_call = codegen_extern_call
+
+
 # Note [Kiln takes Inductor's CPU heuristics]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inductor tunes its C++ backend for the CPU with heuristics keyed on
@@ -178,4 +202,5 @@ def install() -> None:
     _fix_cpu_realize_heuristics()
     _fix_scatter_fallback()
     _fix_layout_optimization()
+    _fix_flush_before_deviceless_extern_calls()
     _installed = True
