@@ -199,6 +199,14 @@ dist.destroy_process_group()
 """
 
 
+def run_two_ranks(path, text: str) -> tuple[int, str]:
+    """Writes `text` to `path` and runs it with torchrun --standalone on 2
+    ranks (kiln:0 and kiln:1), within the command timeout."""
+    path.write_text(text)
+    env = dict(os.environ, KILN_DEVICE_COUNT="2")
+    return run_job(torchrun_command(2, str(path)), COMMAND_TIMEOUT, env)
+
+
 EXIT_SCRIPT = """
 import atexit, os, torch, torch.distributed as dist
 torch.kiln.set_device(int(os.environ["LOCAL_RANK"]))
@@ -227,10 +235,7 @@ def test_exit_with_a_collective_in_flight(tmp_path):
     # callback; rank 1 joins it only once rank 0 runs its atexit handlers, so
     # it completes while rank 0 shuts down. Both must exit cleanly: no abort
     # ("terminate called ...", Note [kccl completion thread]), no hang.
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT)
-    env = dict(os.environ, KILN_DEVICE_COUNT="2")
-    code, out = run_job(torchrun_command(2, str(script)), COMMAND_TIMEOUT, env)
+    code, out = run_two_ranks(tmp_path / "exit.py", EXIT_SCRIPT)
     assert code == 0, out[-4000:]
     assert "terminate called" not in out and "std::terminate" not in out, out[-4000:]
     assert sorted(re.findall(r"EXIT-OK (\d)", out)) == ["0", "1"], out[-4000:]
@@ -239,10 +244,7 @@ def test_exit_with_a_collective_in_flight(tmp_path):
 
 def test_torchrun_standalone(tmp_path):
     # init_process_group(backend="kccl") under torchrun --standalone.
-    script = tmp_path / "train.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    env = dict(os.environ, KILN_DEVICE_COUNT="2")
-    code, out = run_job(torchrun_command(2, str(script)), COMMAND_TIMEOUT, env)
+    code, out = run_two_ranks(tmp_path / "train.py", TORCHRUN_SCRIPT)
     assert code == 0, out[-4000:]
     # The ranks share the pipe with their warnings, whose writes may land
     # between parts of another line: find the markers anywhere.

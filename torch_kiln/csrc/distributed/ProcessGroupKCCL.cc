@@ -147,16 +147,11 @@ struct KcclShared {
     }
   }
 
-  // shutdown(): waits for the tasks issued on the communication streams
-  // (each ends within its deadline), then completes their Futures and ends
-  // the completion thread. Errors were reported by the Works.
+  // shutdown(): the completion thread completes every queued Work, waiting
+  // for each to finish (within its deadline), then ends. The communication
+  // streams are not synchronized here: that would clear their sticky errors,
+  // which the program's next torch.kiln.synchronize() must still raise.
   void finishAndStop() {
-    {
-      std::lock_guard<std::mutex> lock(streams_mutex);
-      for (auto& [device, handle] : streams) {
-        (void)kilnStreamSynchronize(handle);
-      }
-    }
     {
       std::lock_guard<std::mutex> lock(completion_mutex);
       stopping = true;
