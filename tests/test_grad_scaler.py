@@ -2,6 +2,7 @@
 skipped steps and scale updates behave as on CUDA (checked against the CPU
 GradScaler, which runs the same algorithm)."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -51,3 +52,64 @@ def test_unscale_and_clip():
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 8.0
+
+
+# Note [found_inf summed over devices] (torch_kiln/kiln/_grad_scaler_fix.py): with the
+# parameters on kiln:0 and kiln:1 and a non-finite gradient on both, the
+# found_inf GradScaler passes a fused optimizer is 2.0; the step must still be
+# skipped, as on one device.
+FUSED_OPTIMIZERS = [
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+]
+
+
+def run_split(devices, optimizer, kwargs, unscale_first, steps=6):
+    """Two layers, the first on devices[0] and the second on devices[1];
+    steps 1 and 4 get a non-finite gradient on both layers, step 3 on the
+    second only. Returns the scale history, which steps were skipped, and the
+    final parameters."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 6).to(devices[0])
+    second = nn.Linear(6, 3).to(devices[1])
+    params = list(first.parameters()) + list(second.parameters())
+    opt = optimizer(params, fused=True, **kwargs)
+    scaler = torch.amp.GradScaler(devices[0].split(":")[0], init_scale=2.0**10, growth_interval=2)
+    g = torch.Generator().manual_seed(0)
+    scales, skipped = [], []
+    for step in range(steps):
+        x = torch.randn(5, 4, generator=g).to(devices[0])
+        loss = second(first(x).relu().to(devices[1])).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if step in (1, 4):
+            first.weight.grad[0, 0] = float("inf")
+            second.weight.grad[1, 1] = float("nan")
+        if step == 3:
+            second.bias.grad[0] = float("inf")
+        if unscale_first:
+            scaler.unscale_(opt)
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(all(torch.equal(b, p.detach()) for b, p in zip(before, params)))
+    return scales, skipped, [p.detach().cpu() for p in params]
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale-then-step"])
+@pytest.mark.parametrize("optimizer,kwargs", FUSED_OPTIMIZERS,
+                         ids=["Adam", "AdamW", "Adam-amsgrad", "SGD", "Adagrad"])
+def test_fused_optimizer_skips_steps_with_parameters_on_two_devices(optimizer, kwargs, unscale_first):
+    cpu = run_split(("cpu", "cpu"), optimizer, kwargs, unscale_first)
+    assert cpu[1] == [False, True, False, True, True, False]
+    for devices in (("kiln:0", "kiln:1"), ("kiln:1", "kiln:0"), ("kiln:0", "kiln:0")):
+        kiln = run_split(devices, optimizer, kwargs, unscale_first)
+        assert kiln[0] == cpu[0], devices
+        assert kiln[1] == cpu[1], devices
+        for k, c in zip(kiln[2], cpu[2]):
+            assert not k.isnan().any(), devices
+            assert_same(k, c)

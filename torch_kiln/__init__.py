@@ -47,6 +47,12 @@ torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
 )
 
+# GradScaler("kiln") with a fused optimizer over several kiln devices
+# (Note [found_inf summed over devices] in torch_kiln/kiln/_grad_scaler_fix.py).
+from torch_kiln.kiln import _grad_scaler_fix  # noqa: E402
+
+_grad_scaler_fix.install()
+
 # --- torch.compile: Dynamo's device interface for kiln -----------------------
 # Registered when torch._dynamo.device_interface is first imported, so that
 # `import torch` does not pay for importing Dynamo
