@@ -102,10 +102,9 @@ def init(mode: str, device_type: str, heads: int, batch_size: int) -> Parallelis
                              f"{count} {device_type} devices{hint}")
         device = torch.device(device_type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-        # No device_id: a group bound to a device makes init_device_mesh
-        # split it (split_group), which PyTorch 2.13 offers only to
-        # NCCL-like backends; unbound, the mesh makes its groups with new_group.
-        dist.init_process_group()
+        # Bound to the device, as TorchTitan joins: init_device_mesh then
+        # makes a 2-D mesh's groups with split_group.
+        dist.init_process_group(device_id=device)
 
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -710,25 +710,53 @@ def s_failed_input(args):
 
 
 def s_split_group(args):
-    """split_group is refused with PyTorch's error: in torch 2.13 a backend
-    that supports splitting must also be NCCL-like (perform_nocolor_split,
-    deep-copyable options), which would break new_group; kccl does not
-    claim it. new_group works instead."""
-    from torch._C._distributed_c10d import Backend
+    """torch.distributed.split_group on a default group bound to this rank's
+    device (init_process_group(device_id=...)), as DeviceMesh uses it (Note
+    [Splitting a kccl group]): uneven parts, default and explicit options,
+    collectives in each part, a DeviceMesh, new_group with a bound device
+    (non-members take the no-color path), and split_group's own errors."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    splits = [list(range(0, WORLD, 2)), list(range(1, WORLD, 2))]
-    text = expect_error(RuntimeError, ["does not support splitting"], lambda: dist.split_group(
-        split_ranks=splits, pg_options=Backend.Options("kccl")))
-    mine = next(s for s in splits if RANK in s)
-    groups = [dist.new_group(ranks=s) for s in splits]
-    group = groups[splits.index(mine)]
-    t = torch.full((4,), float(RANK + 1), device=DEVICE)
-    dist.all_reduce(t, group=group)
-    check_equal(t, torch.full((4,), float(sum(r + 1 for r in mine))), "all_reduce in a new_group")
-    for g in groups:
-        dist.destroy_process_group(g)
+    assert dist.distributed_c10d._get_default_group().bound_device_id == DEVICE
+    evens, odds = list(range(0, WORLD, 2)), list(range(1, WORLD, 2))
+    mine = evens if RANK in evens else odds
+    for options in (None, dist.distributed_c10d._get_default_group()._get_backend(DEVICE).options):
+        group = dist.split_group(split_ranks=[evens, odds], pg_options=options)
+        assert dist.get_process_group_ranks(group) == mine, dist.get_process_group_ranks(group)
+        assert group.rank() == mine.index(RANK) and group.size() == len(mine)
+        assert dist.get_backend(group) == "kccl", dist.get_backend(group)
+        t = torch.full((4,), float(RANK + 1), device=DEVICE)
+        dist.all_reduce(t, group=group)
+        check_equal(t, torch.full((4,), float(sum(r + 1 for r in mine))), "all_reduce in a split group")
+        gathered = [torch.empty(2, device=DEVICE) for _ in mine]
+        dist.all_gather(gathered, torch.full((2,), float(RANK), device=DEVICE), group=group)
+        for r, g in zip(mine, gathered):
+            check_equal(g, torch.full((2,), float(r)), "all_gather in a split group")
+        dist.destroy_process_group(group)
+    # A part this rank is not in: None (every rank calls split_group).
+    alone = dist.split_group(split_ranks=[[0]])
+    assert (alone is None) == (RANK != 0), alone
+    if alone is not None:
+        dist.destroy_process_group(alone)
+    # DeviceMesh splits the bound default group for each dimension.
+    mesh = init_device_mesh("kiln", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_group("tp")
+    t = torch.ones(3, device=DEVICE)
+    dist.all_reduce(t, group=tp)
+    check_equal(t, torch.full((3,), float(WORLD)), "all_reduce over the mesh's tp dimension")
+    assert mesh.get_group("dp").size() == 1
+    # new_group with a bound device: the non-members' no-color split.
+    pair = dist.new_group(ranks=[0, 1])
+    if RANK in (0, 1):
+        t = torch.full((2,), float(RANK), device=DEVICE)
+        dist.all_reduce(t, group=pair)
+        check_equal(t, torch.full((2,), 1.0), "all_reduce in a new_group")
+        dist.destroy_process_group(pair)
+    texts = [expect_error(ValueError, ["duplicate"], lambda: dist.split_group(split_ranks=[[0, 0]])),
+             expect_error(ValueError, ["split_ranks cannot be None or empty"],
+                          lambda: dist.split_group(split_ranks=[]))]
     dist.barrier()
-    return text
+    return texts
 
 
 def s_shm_names(args):

@@ -37,6 +37,7 @@ import datetime
 import functools
 import os
 import socket
+import types
 
 import torch
 
@@ -83,6 +84,73 @@ def _create_backend(dist_backend_opts, backend_options):
         atexit.register(_C._kccl_abandon_completions_at_exit)
         _exit_handler_registered = True
     return backend
+
+
+def _split_backend(store, rank: int, size: int, timeout_ms: int, group_name: str):
+    """How ProcessGroupKCCL::split makes the new group's backend (Note
+    [Splitting a kccl group] in torch_kiln/csrc/distributed/SplitKCCL.cc):
+    the creator new_group uses, with the split's PrefixStore, the caller's
+    rank among the split ranks, their count, timeout and name."""
+    options = types.SimpleNamespace(store=store, group_rank=rank, group_size=size,
+                                    timeout=timeout_ms, group_id=group_name)
+    return _create_backend(options, None)
+
+
+def _backend_options_class():
+    """``Backend.Options`` that ``copy.deepcopy`` accepts: split_group copies
+    the parent backend's ``options`` before it splits (torch's own Options
+    cannot be copied)."""
+    from torch._C._distributed_c10d import Backend
+
+    class KcclOptions(Backend.Options):
+        def __init__(self, timeout=None):
+            if timeout is None:
+                super().__init__(BACKEND_NAME)
+            else:
+                super().__init__(BACKEND_NAME, timeout)
+
+        def __deepcopy__(self, memo):
+            copied = KcclOptions(self._timeout)
+            copied.group_name = self.group_name
+            return copied
+
+        __copy__ = lambda self: self.__deepcopy__({})  # noqa: E731
+
+    return KcclOptions
+
+
+def _add_split_methods() -> None:
+    """What torch.distributed asks of a backend that supports splitting,
+    for kccl backends (which reach Python as the base
+    ``torch._C._distributed_c10d.Backend``; NCCL's class defines both):
+
+    * ``backend.options``: split_group deep-copies it (a ``Backend.Options``
+      that can be copied);
+    * ``backend.perform_nocolor_split(device)``: new_group calls it on the
+      ranks outside the new group when the default group has a bound device
+      (NCCL's ncclCommSplit needs every parent rank); kccl makes a group
+      from its members only, so there is nothing to do.
+
+    Other backends keep raising AttributeError for both."""
+    from torch._C._distributed_c10d import Backend
+
+    if "options" in Backend.__dict__:
+        return
+    options_class = _backend_options_class()
+
+    def _require_kccl(backend, attribute):
+        if backend.name() != BACKEND_NAME:
+            raise AttributeError(f"'{type(backend).__name__}' object has no attribute '{attribute}'")
+
+    def options(backend):
+        _require_kccl(backend, "options")
+        return options_class()
+
+    def perform_nocolor_split(backend, device):
+        _require_kccl(backend, "perform_nocolor_split")
+
+    Backend.options = property(options, doc="kccl: a Backend.Options for split_group.")
+    Backend.perform_nocolor_split = perform_nocolor_split
 
 
 # Note [kccl completion thread] (ProcessGroupKCCL.cc): before the interpreter
@@ -233,6 +301,11 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["kiln"]
     )
+    # Note [Splitting a kccl group] (torch_kiln/csrc/distributed/SplitKCCL.cc)
+    from torch_kiln import _C
+
+    _C._kccl_set_factory(_split_backend)
+    _add_split_methods()
     # Note [kccl as the default backend of an undefined group]
     import torch.distributed.distributed_c10d as c10d
 

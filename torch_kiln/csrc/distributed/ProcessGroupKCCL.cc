@@ -529,7 +529,7 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
                                    std::vector<std::vector<int>> hosts,
                                    c10::intrusive_ptr<c10d::Backend> gloo_leaders,
                                    c10::intrusive_ptr<c10d::Backend> gloo_all)
-    : Backend(rank, size), timeout_(timeout) {
+    : Backend(rank, size), timeout_(timeout), group_name_(group_name) {
   if (hosts.empty()) {
     std::vector<int> everyone(size);
     for (int r = 0; r < size; ++r) {

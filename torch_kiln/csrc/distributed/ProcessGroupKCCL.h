@@ -39,6 +39,7 @@
 #include <atomic>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -139,6 +140,26 @@ class ProcessGroupKCCL : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<Work> endCoalescing() override;
 
+  // torch.distributed.split_group (and DeviceMesh on a group made with
+  // device_id=): Note [Splitting a kccl group], ProcessGroupKCCL.cc.
+  // getBackendOptions() is this group's name and timeout; split() returns
+  // the new group's backend for the members of `ranks` (this group's ranks,
+  // sorted) and null for the others.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+
+  // How a new kccl backend is made (set once by torch_kiln.distributed: the
+  // same Python creator c10d calls for new_group, which also joins hosts
+  // through Gloo). Arguments: the new group's PrefixStore, this process's
+  // rank in it, its size, timeout and name.
+  using Factory = std::function<c10::intrusive_ptr<c10d::Backend>(
+      const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
+      const std::string&)>;
+  static void setFactory(Factory factory);
+
  private:
   struct PendingP2P {
     bool send;
@@ -156,6 +177,7 @@ class ProcessGroupKCCL : public c10d::Backend {
   std::shared_ptr<KcclShared> shared_;
   std::shared_ptr<CrossHost> cross_; // null when every rank is on this host
   std::chrono::milliseconds timeout_;
+  std::string group_name_;
   uint64_t seq_ = 0;     // collectives' sequence numbers (compared across ranks)
   uint64_t p2p_seq_ = 0; // send/recv's, numbered apart as in NCCL
   uint64_t order_ = 0;   // every operation, in issue order (Note [kccl issue order])

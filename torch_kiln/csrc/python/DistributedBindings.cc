@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -32,6 +33,21 @@ void bindDistributed(pybind11::module& m) {
       pybind11::arg("hosts") = std::vector<std::vector<int>>{},
       pybind11::arg("gloo_leaders") = pybind11::none(), pybind11::arg("gloo_all") = pybind11::none(),
       pybind11::call_guard<pybind11::gil_scoped_release>());
+  // Note [Splitting a kccl group] (distributed/SplitKCCL.cc): `make(store,
+  // rank, size, timeout_ms, group_name)` returns a new kccl Backend.
+  m.def("_kccl_set_factory", [](pybind11::function make) {
+    // Kept for the process (never destroyed: no GIL at static destruction).
+    auto* held = new pybind11::function(std::move(make));
+    c10d::kiln::ProcessGroupKCCL::setFactory(
+        [held](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+               std::chrono::milliseconds timeout,
+               const std::string& group_name) -> c10::intrusive_ptr<c10d::Backend> {
+          pybind11::gil_scoped_acquire gil;
+          pybind11::object backend =
+              (*held)(store, rank, size, static_cast<int64_t>(timeout.count()), group_name);
+          return backend.cast<c10::intrusive_ptr<c10d::Backend>>();
+        });
+  });
   // torch_kiln.distributed's atexit handler (Note [kccl completion thread]).
   m.def("_kccl_abandon_completions_at_exit", &c10d::kiln::abandonAllKcclCompletionsAtExit,
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -14,7 +14,8 @@ namespace torch_kiln {
 // releases the GIL while the ranks set up their shared memory) and returns
 // it as a torch._C._distributed_c10d.Backend. Call only after
 // torch.distributed has been imported (it registers the Store and Backend
-// Python types).
+// Python types). Also _kccl_set_factory(make): how split() makes a group
+// (Note [Splitting a kccl group], distributed/SplitKCCL.cc).
 void bindDistributed(pybind11::module& m);
 
 } // namespace torch_kiln
