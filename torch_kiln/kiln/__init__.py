@@ -65,7 +65,9 @@ from torch_kiln.kiln.op_tracking import (
     clear_op_tracking,
     get_executed_ops,
     get_fused_ops,
+    get_sync_debug_mode,
     get_sync_ops,
+    set_sync_debug_mode,
 )
 from torch_kiln.kiln.streams import (
     Event,
@@ -328,6 +330,7 @@ __all__ = [
     "get_fused_ops",
     "get_rng_state",
     "get_rng_state_all",
+    "get_sync_debug_mode",
     "get_sync_ops",
     "graph",
     "graph_pool_handle",
@@ -368,6 +371,7 @@ __all__ = [
     "set_rng_state",
     "set_rng_state_all",
     "set_stream",
+    "set_sync_debug_mode",
     "stream",
     "synchronize",
     "use_mem_pool",
