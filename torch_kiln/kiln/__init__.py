@@ -22,6 +22,19 @@ from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
 from torch_kiln.kiln import graphs, memory
+from torch_kiln.kiln._device_queries import (
+    KilnError,
+    can_device_access_peer,
+    check_error,
+    clock_rate,
+    get_arch_list,
+    get_gencode_flags,
+    is_tf32_supported,
+    memory_usage,
+    power_draw,
+    temperature,
+    utilization,
+)
 from torch_kiln.kiln._mempool import MemPool, use_mem_pool
 from torch_kiln.kiln.graphs import (
     KilnGraph,
@@ -92,6 +105,9 @@ from torch_kiln.kiln.random import (
 )
 
 _initialized = False
+
+# torch.cuda.has_half: kiln computes float16 (ATen's CPU kernels).
+has_half: bool = True
 
 
 # At exit, queued device work may run for _EXIT_DRAIN_MS; then what has not
@@ -302,6 +318,7 @@ _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
 __all__ = [
     "Event",
     "ExternalStream",
+    "KilnError",
     "MemPool",
     "OutOfMemoryError",
     "Stream",
@@ -310,8 +327,12 @@ __all__ = [
     "caching_allocator_delete",
     "caching_allocator_disabled",
     "caching_allocator_enable",
+    "can_device_access_peer",
+    "check_error",
     "clear_op_tracking",
+    "clock_rate",
     "current_stream",
+    "default_generators",
     "default_stream",
     "current_device",
     "device",
@@ -320,7 +341,9 @@ __all__ = [
     "device_of",
     "empty_cache",
     "get_allocator_backend",
+    "get_arch_list",
     "get_device_capability",
+    "get_gencode_flags",
     "ipc_collect",
     "get_device_name",
     "get_device_properties",
@@ -334,6 +357,7 @@ __all__ = [
     "get_sync_ops",
     "graph",
     "graph_pool_handle",
+    "has_half",
     "host_memory_stats",
     "host_memory_stats_as_nested_dict",
     "init",
@@ -342,6 +366,7 @@ __all__ = [
     "is_bf16_supported",
     "is_current_stream_capturing",
     "is_initialized",
+    "is_tf32_supported",
     "KilnGraph",
     "list_gpu_processes",
     "make_graphed_callables",
@@ -358,6 +383,8 @@ __all__ = [
     "memory_stats",
     "memory_stats_as_nested_dict",
     "memory_summary",
+    "memory_usage",
+    "power_draw",
     "reset_accumulated_host_memory_stats",
     "reset_accumulated_memory_stats",
     "reset_max_memory_allocated",
@@ -374,7 +401,9 @@ __all__ = [
     "set_sync_debug_mode",
     "stream",
     "synchronize",
+    "temperature",
     "use_mem_pool",
+    "utilization",
 ]
 
 # Inductor's lazy hook for a PrivateUse1 device (init_backend_registration in
@@ -390,6 +419,14 @@ _INDUCTOR_HOOK_NAMES = frozenset(
 
 
 def __getattr__(name: str) -> Any:
+    if name == "default_generators":
+        # torch.cuda.default_generators: each device's default generator,
+        # made on first access (making them initialises kiln, which must
+        # not happen at import: a later fork would be a bad fork).
+        global default_generators
+        _lazy_init()
+        default_generators = tuple(_C._get_default_generator(i) for i in range(device_count()))
+        return default_generators
     if name in _INDUCTOR_HOOK_NAMES:
         from torch_kiln.compiler.inductor import register
 

@@ -179,6 +179,12 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_get_sync_debug_mode",
         [] { return static_cast<int>(c10::kiln::get_sync_debug_mode()); });
+  m.def("_get_error_string", [](int code) {
+    // (name, description) of a runtime status code (torch.kiln.check_error).
+    const auto error = static_cast<kilnError_t>(code);
+    return py::make_tuple(std::string(kilnGetErrorName(error)),
+                          std::string(kilnGetErrorString(error)));
+  });
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
   m.def("_clear_op_tracking", [] {
