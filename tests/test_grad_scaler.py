@@ -51,3 +51,27 @@ def test_unscale_and_clip():
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 8.0
+
+
+def test_kiln_amp_grad_scaler_is_torch_amp_grad_scaler_with_cudas_warning():
+    import pytest
+    with pytest.warns(FutureWarning, match=r"`torch.kiln.amp.GradScaler\(args...\)` is deprecated. "
+                                           r"Please use `torch.amp.GradScaler\('kiln', args...\)`"):
+        scaler = torch.kiln.amp.GradScaler(init_scale=2.0**10, growth_interval=2)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    assert scaler.get_scale() == 2.0**10
+    # It scales on kiln exactly as torch.amp.GradScaler("kiln") does.
+    reference = torch.amp.GradScaler("kiln", init_scale=2.0**10, growth_interval=2)
+    weights = []
+    for s in (scaler, reference):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).to("kiln")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s.scale(model(torch.ones(2, 4, device="kiln")).sum()).backward()
+        s.step(opt)
+        s.update()
+        weights.append(model.weight.detach().cpu())
+    assert_same(weights[0], weights[1])
+    assert scaler.get_scale() == reference.get_scale()
+    with pytest.warns(FutureWarning):
+        assert not torch.kiln.amp.GradScaler(enabled=False).is_enabled()
