@@ -418,6 +418,11 @@ _INDUCTOR_HOOK_NAMES = frozenset(
 )
 
 
+def __dir__() -> list[str]:
+    # default_generators is made on first access (below) but listed as torch.cuda's is.
+    return sorted(set(globals()) | {"default_generators"})
+
+
 def __getattr__(name: str) -> Any:
     if name == "default_generators":
         # torch.cuda.default_generators: each device's default generator,
