@@ -116,3 +116,69 @@ def test_autocast_training_step_runs_in_both_precisions():
         loss.backward()
         opt.step()
         assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+# --- torch.kiln.amp: torch.cuda.amp's deprecated spellings ---------------------
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_kiln_amp_autocast_is_torch_autocast_with_cudas_defaults_and_warning(device, operands):
+    a, b = (t.to(device) for t in operands)
+    with pytest.warns(FutureWarning, match=r"`torch.kiln.amp.autocast\(args...\)` is deprecated. "
+                                           r"Please use `torch.amp.autocast\('kiln', args...\)`"):
+        ctx = torch.kiln.amp.autocast()
+    with ctx:
+        assert torch.is_autocast_enabled("kiln")
+        assert torch.get_autocast_dtype("kiln") == torch.float16  # CUDA's default
+        out = a @ b
+    with torch.autocast("kiln", dtype=torch.float16):
+        expected = a @ b
+    assert out.dtype == torch.float16
+    assert_same(out, expected.cpu())
+    with pytest.warns(FutureWarning):
+        with torch.kiln.amp.autocast(dtype=torch.bfloat16, cache_enabled=False):
+            assert (a @ b).dtype == torch.bfloat16
+    with pytest.warns(FutureWarning):
+        with torch.kiln.amp.autocast(enabled=False):
+            assert (a @ b).dtype == torch.float32
+
+
+def test_kiln_amp_autocast_decorates_and_keeps_cudas_signature():
+    import inspect
+    with pytest.warns(FutureWarning):
+        @torch.kiln.amp.autocast()
+        def matmul(x, y):
+            return x @ y
+    x = torch.randn(4, 4, device="kiln")
+    assert matmul(x, x).dtype == torch.float16
+    assert list(inspect.signature(torch.kiln.amp.autocast).parameters) == [
+        "enabled", "dtype", "cache_enabled"]
+    import torch.kiln.amp as imported
+    assert imported is torch.kiln.amp and issubclass(torch.kiln.amp.autocast, torch.autocast)
+
+
+def test_kiln_amp_custom_fwd_and_bwd_warn_and_work():
+    with pytest.warns(FutureWarning, match="torch.kiln.amp.custom_fwd"):
+        fwd = torch.kiln.amp.custom_fwd(cast_inputs=torch.float32)
+    with pytest.warns(FutureWarning, match="torch.kiln.amp.custom_bwd"):
+        bwd = torch.kiln.amp.custom_bwd
+
+        class Square(torch.autograd.Function):
+            @staticmethod
+            @fwd
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                assert not torch.is_autocast_enabled("kiln")
+                return x * x
+
+            @staticmethod
+            @bwd
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return 2 * x * grad
+
+    x = torch.randn(5, device="kiln", dtype=torch.float16, requires_grad=True)
+    with torch.autocast("kiln"):
+        y = Square.apply(x)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert_same(x.grad, (2 * x.detach().float()).half().cpu())

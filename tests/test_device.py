@@ -161,3 +161,77 @@ def test_a_bad_device_index_gives_one_message_in_every_api():
         with pytest.raises(RuntimeError) as error:
             call()
         assert str(error.value).splitlines()[0] == expected
+
+
+# --- torch.cuda's hardware queries, answered for the reference device ---------
+
+def test_peer_access_between_different_devices_only_as_cuda_answers():
+    assert torch.kiln.can_device_access_peer(0, 1) is True
+    assert torch.kiln.can_device_access_peer("kiln:1", torch.device("kiln", 0)) is True
+    assert torch.kiln.can_device_access_peer(0, 0) is False
+    assert torch.kiln.can_device_access_peer(None, 1) is (torch.kiln.current_device() != 1)
+    # What it promises: a direct copy between the two devices gives the data.
+    x = torch.arange(8.0, device="kiln:0")
+    assert x.to("kiln:1").cpu().tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("device, peer, error, match", [
+    (0, 7, RuntimeError, "Kiln has 2 devices"),
+    (7, 0, RuntimeError, "Kiln has 2 devices"),
+    (0, None, ValueError, "Expected a kiln device, got None"),
+    ("cpu", 1, ValueError, "Expected a kiln device"),
+    (0, torch.device("cuda", 1), ValueError, "Expected a kiln device"),
+    (-1, 0, ValueError, "device must be a kiln device index >= 0"),
+    (0, 1.0, TypeError, "Expected a kiln device"),
+])
+def test_peer_access_rejects_bad_devices(device, peer, error, match):
+    with pytest.raises(error, match=match):
+        torch.kiln.can_device_access_peer(device, peer)
+
+
+def test_tf32_arch_list_and_half_are_answered_for_a_cpu_kernel_device():
+    assert torch.kiln.is_tf32_supported() is False
+    assert torch.kiln.get_arch_list() == []
+    assert torch.kiln.get_gencode_flags() == ""
+    assert torch.kiln.has_half is True
+    x = torch.ones(4, dtype=torch.half, device="kiln")
+    assert (x + x).dtype == torch.half and (x + x).sum().item() == 8.0
+
+
+@pytest.mark.parametrize("query", ["utilization", "memory_usage", "temperature", "power_draw",
+                                   "clock_rate"])
+@pytest.mark.parametrize("device", [None, 0, 1, "kiln:1"])
+def test_sensor_queries_raise_naming_the_query(query, device):
+    with pytest.raises(NotImplementedError, match=f"torch.kiln.{query}: the kiln reference device "
+                                                  "does not measure"):
+        getattr(torch.kiln, query)(device)
+
+
+@pytest.mark.parametrize("query", ["utilization", "temperature", "clock_rate"])
+def test_sensor_queries_name_the_device_count_for_a_bad_device_first(query):
+    with pytest.raises(RuntimeError, match="Kiln has 2 devices"):
+        getattr(torch.kiln, query)(7)
+    with pytest.raises(ValueError, match="Expected a kiln device"):
+        getattr(torch.kiln, query)("cpu")
+
+
+def test_check_error_raises_a_kiln_error_with_the_runtimes_words():
+    torch.kiln.check_error(0)  # kilnSuccess
+    with pytest.raises(torch.kiln.KilnError, match=r"^kilnErrorMemoryAllocation: .* \(2\)$") as info:
+        torch.kiln.check_error(2)
+    assert info.value.code == 2 and isinstance(info.value, RuntimeError)
+    with pytest.raises(torch.kiln.KilnError, match=r"\(12345\)$"):
+        torch.kiln.check_error(12345)  # an unknown code still names itself
+    with pytest.raises(TypeError, match="res must be an int"):
+        torch.kiln.check_error("0")
+
+
+def test_check_error_reads_a_status_from_the_runtime_itself():
+    from conftest import kiln_runtime
+    lib = kiln_runtime()  # the C API, as a library calling it through ctypes sees it
+    assert lib.kilnSetDevice(0) == 0
+    torch.kiln.check_error(lib.kilnSetDevice(0))
+    status = lib.kilnSetDevice(99)
+    with pytest.raises(torch.kiln.KilnError, match="kilnErrorInvalidDevice"):
+        torch.kiln.check_error(status)
+    assert torch.kiln.current_device() == 0

@@ -113,3 +113,26 @@ def test_fused_optimizer_skips_steps_with_parameters_on_two_devices(optimizer, k
         for k, c in zip(kiln[2], cpu[2]):
             assert not k.isnan().any(), devices
             assert_same(k, c)
+
+
+def test_kiln_amp_grad_scaler_is_torch_amp_grad_scaler_with_cudas_warning():
+    with pytest.warns(FutureWarning, match=r"`torch.kiln.amp.GradScaler\(args...\)` is deprecated. "
+                                           r"Please use `torch.amp.GradScaler\('kiln', args...\)`"):
+        scaler = torch.kiln.amp.GradScaler(init_scale=2.0**10, growth_interval=2)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    assert scaler.get_scale() == 2.0**10
+    # It scales on kiln exactly as torch.amp.GradScaler("kiln") does.
+    reference = torch.amp.GradScaler("kiln", init_scale=2.0**10, growth_interval=2)
+    weights = []
+    for s in (scaler, reference):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).to("kiln")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s.scale(model(torch.ones(2, 4, device="kiln")).sum()).backward()
+        s.step(opt)
+        s.update()
+        weights.append(model.weight.detach().cpu())
+    assert_same(weights[0], weights[1])
+    assert scaler.get_scale() == reference.get_scale()
+    with pytest.warns(FutureWarning):
+        assert not torch.kiln.amp.GradScaler(enabled=False).is_enabled()

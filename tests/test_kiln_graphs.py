@@ -612,6 +612,53 @@ def test_a_bad_pool_raises_a_type_error_naming_what_pool_must_be(pool):
     assert torch.kiln.current_stream() == torch.kiln.default_stream()
 
 
+@pytest.mark.parametrize("device", [0, 1])
+@pytest.mark.parametrize("pool", [(123456789, 0), (0, 987654321), (7, 7)])
+def test_a_made_up_pool_token_raises_naming_where_tokens_come_from(pool, device):
+    with torch.kiln.device(device):
+        g = torch.kiln.KilnGraph()
+        with pytest.raises(ValueError, match=r"pool \(\d+, \d+\) is not a memory pool kiln made. "
+                                             r"Pass None .*graph_pool_handle\(\), another graph's "
+                                             r"pool\(\) or a torch.kiln.MemPool's id"):
+            with torch.kiln.graph(g, pool=pool):
+                pass
+        assert not torch.kiln.is_current_stream_capturing()
+        assert torch.kiln.current_stream() == torch.kiln.default_stream()
+        # The graph is still usable with a real token.
+        x = torch.ones(16, device="kiln")
+        warm_up(lambda t: t * 2, x)
+        handle = torch.kiln.graph_pool_handle()
+        with torch.kiln.graph(g, pool=handle):
+            y = x * 2
+        g.replay()
+        assert g.pool() == handle
+        assert_same(y, torch.full((16,), 2.0))
+
+
+def test_a_made_up_pool_token_is_refused_by_capture_begin_and_accelerator_graph_too():
+    side = torch.kiln.Stream()
+    with torch.kiln.stream(side):
+        with pytest.raises(ValueError, match="is not a memory pool kiln made"):
+            torch.kiln.KilnGraph().capture_begin(pool=(424242, 0))
+        with pytest.raises(ValueError, match="is not a memory pool kiln made"):
+            torch.accelerator.Graph(pool=(424242, 0)).capture_begin()
+        assert not torch.kiln.is_current_stream_capturing()
+
+
+def test_pool_tokens_are_numbered_as_cudas():
+    handle = torch.kiln.graph_pool_handle()
+    assert handle[0] > 0 and handle[1] == 0  # graph pools: (n, 0)
+    x = torch.ones(16, device="kiln")
+    warm_up(lambda t: t + 1, x)
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g):
+        x + 1
+    own = g.pool()
+    assert own[0] > handle[0] and own[1] == 0
+    pool = torch.kiln.MemPool()
+    assert pool.id[0] == 0 and pool.id[1] > 0  # user pools: (0, n)
+
+
 def test_an_error_in_the_body_does_not_also_warn_the_graph_is_empty():
     import warnings
 

@@ -281,3 +281,255 @@ def test_a_device_smaller_than_a_segment_serves_small_tensors_and_blames_itself_
     assert "Tried to allocate 16 bytes on kiln:0, which takes a block of 512 bytes" in message
     assert "total capacity of 512.00 KiB of which 0 bytes is free" in message
     assert "host" not in message
+
+
+# --- torch.cuda.memory's other names ------------------------------------------
+
+@pytest.mark.parametrize("device", [0, 1, "kiln:1", torch.device("kiln", 0), None])
+def test_deprecated_aliases_warn_as_cuda_and_answer_the_new_names(device):
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device="kiln" if device is None else device)
+    with pytest.warns(FutureWarning, match="renamed to `torch.kiln.memory_reserved`"):
+        assert torch.kiln.memory_cached(device) == torch.kiln.memory_reserved(device) >= 3 * MiB
+    with pytest.warns(FutureWarning, match="renamed to `torch.kiln.max_memory_reserved`"):
+        assert torch.kiln.max_memory_cached(device) == torch.kiln.max_memory_reserved(device)
+    del x
+    for reset in (torch.kiln.reset_max_memory_allocated, torch.kiln.reset_max_memory_cached):
+        y = torch.empty(5 * MiB, dtype=torch.uint8, device="kiln" if device is None else device)
+        del y
+        assert torch.kiln.max_memory_allocated(device) > torch.kiln.memory_allocated(device)
+        with pytest.warns(FutureWarning, match="resets /all/ peak memory stats"):
+            reset(device)
+        assert torch.kiln.max_memory_allocated(device) == torch.kiln.memory_allocated(device)
+        assert torch.kiln.max_memory_reserved(device) == torch.kiln.memory_reserved(device)
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_nested_stats_hold_every_flat_key(device):
+    x = torch.ones(1000, device=f"kiln:{device}")
+    flat = torch.kiln.memory_stats(device)
+    nested = torch.kiln.memory_stats_as_nested_dict(device)
+    assert nested["allocated_bytes"]["all"]["current"] == flat["allocated_bytes.all.current"] > 0
+    assert nested["num_ooms"] == flat["num_ooms"]
+    count = 0
+    for key, value in flat.items():
+        level = nested
+        for part in key.split("."):
+            level = level[part]
+        assert level == value, key
+        count += 1
+    assert count == len(flat) > 20
+    del x
+
+
+@pytest.mark.parametrize("call", [
+    torch.kiln.memory_cached, torch.kiln.memory_stats_as_nested_dict,
+    torch.kiln.reset_max_memory_allocated, torch.kiln.device_memory_used,
+    torch.kiln.list_gpu_processes,
+])
+@pytest.mark.parametrize("device, error, match", [
+    (7, RuntimeError, "Kiln has 2 devices"),
+    ("cpu", ValueError, "Expected a kiln device"),
+    (torch.device("cuda", 0), ValueError, "Expected a kiln device"),
+])
+def test_memory_queries_reject_bad_devices(call, device, error, match):
+    import warnings
+    with warnings.catch_warnings(), pytest.raises(error, match=match):
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated aliases warn first
+        call(device)
+
+
+def test_allocator_backend_is_native():
+    assert torch.kiln.get_allocator_backend() == "native"
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_device_memory_used_is_capacity_minus_free(device):
+    torch.kiln.synchronize()
+    x = torch.empty(8 * MiB, dtype=torch.uint8, device=f"kiln:{device}")
+    free, total = torch.kiln.mem_get_info(device)
+    used = torch.kiln.device_memory_used(device)
+    assert used == total - free
+    assert used >= torch.kiln.memory_reserved(device) >= 8 * MiB
+    del x
+    torch.kiln.empty_cache()
+    assert torch.kiln.device_memory_used(device) < used
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_list_gpu_processes_names_this_process_and_its_memory(device):
+    import os
+    x = torch.empty(4 * MiB, dtype=torch.uint8, device=f"kiln:{device}")
+    lines = torch.kiln.list_gpu_processes(device).split("\n")
+    assert lines[0] == f"kiln:{device}"
+    words = lines[1].split()
+    assert words[:2] == ["process", str(os.getpid())]
+    assert words[-3:] == ["MB", "GPU", "memory"]
+    assert float(words[3]) == pytest.approx(torch.kiln.device_memory_used(device) / MiB, abs=1e-3)
+    del x
+
+
+def test_list_gpu_processes_of_an_unused_device():
+    code = "import torch\nprint(repr(torch.kiln.list_gpu_processes(1)))\n"
+    from conftest import run_python
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr("kiln:1\nno processes are running")
+
+
+# --- caching_allocator_alloc / caching_allocator_delete ------------------------
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_raw_allocation_is_counted_usable_and_freed(device):
+    torch.kiln.synchronize()
+    before = torch.kiln.memory_allocated(device)
+    ptr = torch.kiln.caching_allocator_alloc(3 * MiB, device)
+    assert isinstance(ptr, int) and ptr != 0
+    assert torch.kiln.memory_allocated(device) == before + 3 * MiB
+    blocks = [b for s in torch.kiln.memory_snapshot() if s["device"] == device
+              for b in s["blocks"] if b["address"] == ptr]
+    assert [b["state"] for b in blocks] == ["active_allocated"]
+    torch.kiln.caching_allocator_delete(ptr)
+    assert torch.kiln.memory_allocated(device) == before
+    # The freed block is reused by the next allocation of the size on the stream.
+    again = torch.kiln.caching_allocator_alloc(3 * MiB, device)
+    assert again == ptr
+    torch.kiln.caching_allocator_delete(again)
+
+
+def test_raw_allocation_on_a_side_stream_is_reused_only_there():
+    side = torch.kiln.Stream()
+    ptr = torch.kiln.caching_allocator_alloc(2 * MiB, stream=side)
+    torch.kiln.caching_allocator_delete(ptr)
+    on_default = torch.kiln.caching_allocator_alloc(2 * MiB)
+    assert on_default != ptr  # another stream's cached block is not handed out
+    on_side = torch.kiln.caching_allocator_alloc(2 * MiB, 0, side.kiln_stream)  # a runtime handle
+    assert on_side == ptr
+    for p in (on_default, on_side):
+        torch.kiln.caching_allocator_delete(p)
+    snapshot_streams = {s["stream"] for s in torch.kiln.memory_snapshot() if s["address"] <= ptr
+                        < s["address"] + s["total_size"]}
+    assert snapshot_streams == {side.stream_id}
+
+
+def test_raw_allocation_on_stream_handle_zero_uses_the_devices_default_stream():
+    ptr = torch.kiln.caching_allocator_alloc(4096, 1, 0)
+    (segment,) = [s for s in torch.kiln.memory_snapshot()
+                  if s["address"] <= ptr < s["address"] + s["total_size"]]
+    assert (segment["device"], segment["stream"]) == (1, torch.kiln.default_stream(1).stream_id)
+    torch.kiln.caching_allocator_delete(ptr)
+
+
+def test_raw_allocation_of_zero_bytes_and_delete_of_zero():
+    assert torch.kiln.caching_allocator_alloc(0) == 0
+    torch.kiln.caching_allocator_delete(0)  # a no-op, as CUDA's
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"size": -1}, ValueError, "at least 0 bytes"),
+    ({"size": 1.5}, TypeError, "size must be an int"),
+    ({"size": 16, "device": 7}, RuntimeError, "Kiln has 2 devices"),
+    ({"size": 16, "device": "cpu"}, ValueError, "Expected a kiln device"),
+    ({"size": 16, "device": 1, "stream": "s"}, TypeError, "Invalid type for stream"),
+    ({"size": 16, "stream": 12345}, ValueError, "0x3039 is not a kiln runtime stream"),
+    ({"size": 16, "stream": -8}, ValueError, "is not a kiln runtime stream handle"),
+    ({"size": 1 << 50}, torch.OutOfMemoryError, "kiln:0"),
+])
+def test_raw_allocation_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        torch.kiln.caching_allocator_alloc(**kwargs)
+
+
+def test_raw_allocation_rejects_a_stream_of_another_device():
+    with pytest.raises(ValueError, match="not a stream of kiln:1"):
+        torch.kiln.caching_allocator_alloc(16, 1, torch.kiln.current_stream(0))
+    with pytest.raises(ValueError, match="not a stream of kiln:1"):
+        torch.kiln.caching_allocator_alloc(16, 1, torch.kiln.Stream(0).kiln_stream)
+
+
+def test_raw_delete_rejects_unknown_and_double_frees():
+    ptr = torch.kiln.caching_allocator_alloc(1024)
+    torch.kiln.caching_allocator_delete(ptr)
+    with pytest.raises(RuntimeError, match="is not memory from torch.kiln.caching_allocator_alloc"):
+        torch.kiln.caching_allocator_delete(ptr)
+    x = torch.ones(4, device="kiln")
+    with pytest.raises(RuntimeError, match="is not memory from torch.kiln.caching_allocator_alloc"):
+        torch.kiln.caching_allocator_delete(x.data_ptr())  # a tensor's memory is its own
+    with pytest.raises(TypeError, match="mem_ptr must be an int"):
+        torch.kiln.caching_allocator_delete("0x10")
+    assert x.sum().item() == 4.0
+
+
+# --- caching_allocator_enable / caching_allocator_disabled ---------------------
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_with_caching_disabled_nothing_is_reused_and_frees_return_memory(device):
+    torch.kiln.empty_cache()
+    frees = torch.kiln.memory_stats(device)["num_device_free"]
+    with torch.kiln.caching_allocator_disabled():
+        a = torch.empty(2 * MiB, dtype=torch.uint8, device=device)
+        b = torch.ones(100, device=device)  # small: a segment of its own size, not 1 MiB
+        reserved = torch.kiln.memory_reserved(device)
+        assert reserved == torch.kiln.memory_allocated(device)
+        del a
+        c = torch.empty(2 * MiB, dtype=torch.uint8, device=device)  # returns a's memory first
+        assert torch.kiln.memory_reserved(device) == reserved
+        assert torch.kiln.memory_stats(device)["num_device_free"] == frees + 1
+        assert (b * 2).sum().item() == 200.0
+    del b, c
+
+
+def test_caching_allocator_enable_is_a_switch_and_checks_its_argument():
+    from torch_kiln import _C
+    torch.kiln.caching_allocator_enable(False)
+    try:
+        assert _C._caching_allocator_is_enabled() is False
+        with torch.kiln.caching_allocator_disabled():
+            assert _C._caching_allocator_is_enabled() is False
+        assert _C._caching_allocator_is_enabled() is False  # restored to the previous state
+    finally:
+        torch.kiln.caching_allocator_enable()
+    assert _C._caching_allocator_is_enabled() is True
+    with pytest.raises(TypeError, match="value must be a bool"):
+        torch.kiln.caching_allocator_enable(0)
+
+
+def test_freed_memory_is_reused_again_after_caching_is_enabled_again():
+    torch.kiln.empty_cache()
+    with torch.kiln.caching_allocator_disabled():
+        x = torch.empty(3 * MiB, dtype=torch.uint8, device="kiln")
+    address = x.data_ptr()
+    del x  # freed with caching on: cached
+    y = torch.empty(3 * MiB, dtype=torch.uint8, device="kiln")
+    assert y.data_ptr() == address
+    del y
+
+
+# --- host_memory_stats: the pinned host allocator -----------------------------
+
+def test_host_memory_stats_follow_pinned_allocations():
+    torch.accelerator.empty_host_cache()
+    torch.kiln.reset_peak_host_memory_stats()
+    torch.kiln.reset_accumulated_host_memory_stats()
+    before = torch.kiln.host_memory_stats()
+    for key in ("allocations.current", "allocated_bytes.peak", "active_requests.current",
+                "active_bytes.freed", "num_host_alloc", "num_host_free", "host_alloc_time.total",
+                "host_free_time.count"):
+        assert key in before, key
+    pinned = torch.empty(MiB, dtype=torch.uint8).pin_memory()
+    during = torch.kiln.host_memory_stats()
+    assert during["active_requests.current"] == before["active_requests.current"] + 1
+    assert during["active_bytes.current"] >= before["active_bytes.current"] + MiB
+    assert during["allocated_bytes.current"] >= MiB
+    assert during["num_host_alloc"] >= 1
+    nested = torch.kiln.host_memory_stats_as_nested_dict()
+    assert nested["active_bytes"]["current"] == during["active_bytes.current"]
+    del pinned
+    after = torch.kiln.host_memory_stats()
+    assert after["active_requests.current"] == before["active_requests.current"]
+    assert after["active_bytes.peak"] >= MiB
+    torch.kiln.reset_peak_host_memory_stats()
+    assert torch.kiln.host_memory_stats()["active_bytes.peak"] == after["active_bytes.current"]
+    torch.kiln.reset_accumulated_host_memory_stats()
+    assert torch.kiln.host_memory_stats()["active_requests.allocated"] == 0
+    torch.accelerator.empty_host_cache()
+    assert torch.kiln.host_memory_stats()["allocations.current"] == 0

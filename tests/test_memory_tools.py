@@ -364,8 +364,10 @@ def test_memory_snapshot_is_the_segments():
     assert segments == memory._snapshot()["segments"]
     assert keep.untyped_storage().data_ptr() in [s["address"] for s in segments]
     assert torch.kiln.memory_snapshot((0, 0)) == segments
-    with pytest.raises(ValueError, match="no private memory pools"):
-        torch.kiln.memory_snapshot((1, 0))
+    with pytest.raises(ValueError, match="not a memory pool kiln made"):
+        torch.kiln.memory_snapshot((10**9, 0))
+    pool = torch.kiln.MemPool()
+    assert torch.kiln.memory_snapshot(pool.id) == []  # a pool with nothing in it yet
 
 
 def test_allocator_settings_name_kiln_sizes_and_fractions():

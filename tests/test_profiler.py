@@ -437,3 +437,67 @@ print("ok")
     assert "used in profiler but not enabled" not in result.stderr
     assert "Exception in RecordFunction callback" not in result.stderr
     assert "could not" not in result.stderr  # the stubs' own warnings
+
+
+# --- torch.kiln.nvtx: torch.cuda.nvtx's ranges as record_function ranges ------
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_nvtx_ranges_appear_as_profiler_ranges_on_cpu_and_device(device, tmp_path):
+    from torch.kiln import nvtx
+    a = torch.randn(128, 128, device=device)
+    torch.kiln.synchronize(device)
+    with profile(activities=ACTIVITIES) as prof:
+        assert nvtx.range_push("outer") == 0
+        assert nvtx.range_push("inner") == 1
+        b = a @ a
+        assert nvtx.range_pop() == 1
+        nvtx.mark("checkpoint")
+        with nvtx.range("block {}", 7):
+            b.exp()
+        handle = nvtx.range_start("cross_thread")
+        import threading
+        worker = threading.Thread(target=nvtx.range_end, args=(handle,))
+        worker.start()
+        worker.join()
+        assert nvtx.range_pop() == 0
+        torch.kiln.synchronize(device)
+    events = chrome_trace(prof, tmp_path)
+    cpu = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"outer", "inner", "checkpoint", "block 7", "cross_thread"} <= cpu
+    on_device = {e["name"] for e in events if e.get("cat") == "gpu_user_annotation"}
+    # The innermost range around kiln work shows on the device track, as for
+    # record_function (see test_record_function_ranges_appear_on_the_device_track).
+    assert {"inner", "block 7"} <= on_device
+
+
+def test_nvtx_range_decorates_and_pops_on_exceptions():
+    from torch.kiln import nvtx
+
+    @nvtx.range("decorated")
+    def work(x):
+        return x * 2
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert_same(work(torch.ones(3, device="kiln")), torch.full((3,), 2.0))
+        with pytest.raises(KeyError):
+            with nvtx.range("failing"):
+                raise KeyError("x")
+    names = [e.name for e in prof.events()]
+    assert "decorated" in names and "failing" in names
+    assert nvtx.range_pop() == -1  # both ranges were closed: nothing is open
+
+
+def test_nvtx_bad_input():
+    from torch.kiln import nvtx
+    assert nvtx.range_pop() == -1  # as NVTX: a negative depth, nothing changes
+    with pytest.raises(ValueError, match="is not the handle of an open range"):
+        nvtx.range_end(10**9)
+    handle = nvtx.range_start("once")
+    nvtx.range_end(handle)
+    with pytest.raises(ValueError, match="each range ends once"):
+        nvtx.range_end(handle)
+    for call in (nvtx.range_push, nvtx.range_start, nvtx.mark):
+        with pytest.raises(TypeError, match="msg must be a str"):
+            call(5)
+    import torch.kiln.nvtx as imported
+    assert imported is torch.kiln.nvtx

@@ -140,3 +140,31 @@ def test_fork_rng_restores_kiln_state():
 def test_cpu_generator_with_kiln_tensors_is_rejected():
     with pytest.raises(RuntimeError, match="generator"):
         torch.rand(3, device="kiln", generator=torch.Generator())
+
+
+def test_default_generators_are_the_devices_default_generators():
+    generators = torch.kiln.default_generators
+    assert isinstance(generators, tuple) and len(generators) == torch.kiln.device_count()
+    from torch.kiln import default_generators
+    assert default_generators is generators
+    assert "default_generators" in dir(torch.kiln)
+    for index, generator in enumerate(generators):
+        assert generator.device == torch.device("kiln", index)
+        generator.manual_seed(1234 + index)
+        drawn = torch.randn(5, device=f"kiln:{index}")  # uses the device's default generator
+        torch.kiln.manual_seed_all(0)
+        with torch.kiln.device(index):
+            torch.kiln.manual_seed(1234 + index)
+        assert torch.equal(torch.randn(5, device=f"kiln:{index}").cpu(), drawn.cpu())
+        assert generator.initial_seed() == 1234 + index
+
+
+def test_default_generators_do_not_initialise_kiln_at_import():
+    from conftest import run_python
+    code = ("import torch\n"
+            "print(torch.kiln.is_initialized(), 'default_generators' in dir(torch.kiln))\n"
+            "g = torch.kiln.default_generators\n"
+            "print(torch.kiln.is_initialized(), len(g))\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True", "True", "2"]

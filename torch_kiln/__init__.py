@@ -40,7 +40,7 @@ torch._register_device_module("kiln", kiln)
 # second copies under the torch.kiln name.
 import sys  # noqa: E402
 
-for _name in ("amp", "memory", "random", "streams"):
+for _name in ("amp", "memory", "nvtx", "random", "streams"):
     sys.modules.setdefault(f"torch.kiln.{_name}", getattr(kiln, _name))
 del _name
 torch.utils.generate_methods_for_privateuse1_backend(

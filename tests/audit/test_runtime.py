@@ -128,6 +128,56 @@ def test_mapping_covers_torch_load_map_location_and_generators():
     assert (torch.load, torch.Generator) == before
 
 
+def test_mapping_makes_cuda_graphs_kiln_graphs_and_restores_them():
+    before = (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.nvtx.range_push)
+    with CudaMapping():
+        assert torch.cuda.CUDAGraph is torch.kiln.KilnGraph
+        assert torch.cuda.graph is torch.kiln.graph
+        assert torch.cuda.graph_pool_handle is torch.kiln.graph_pool_handle
+        assert torch.cuda.make_graphed_callables is torch.kiln.make_graphed_callables
+        assert torch.cuda.MemPool is torch.kiln.MemPool
+        static = torch.ones(64, device="kiln")  # (arguments are the tracer's job, not mapped here)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as CUDA's recipe
+            static * 3 + 1
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            torch.cuda.nvtx.range_push("captured")
+            out = static * 3 + 1
+            torch.cuda.nvtx.range_pop()
+        static.fill_(2.0)
+        graph.replay()
+        assert out.device.type == "kiln" and out.cpu().tolist() == [7.0] * 64
+        assert torch.cuda.nvtx.range_pop() == -1  # kiln's nvtx: the pushed range was popped
+    assert (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.nvtx.range_push) == before
+
+
+def test_cuda_graph_program_runs_with_map_cuda(tmp_path):
+    script = tmp_path / "cuda_graph.py"
+    script.write_text(
+        "import torch\n"
+        "x = torch.zeros(8, device='cuda')\n"
+        "s = torch.cuda.Stream()\n"
+        "s.wait_stream(torch.cuda.current_stream())\n"
+        "with torch.cuda.stream(s):\n"
+        "    x * 2\n"
+        "torch.cuda.current_stream().wait_stream(s)\n"
+        "g = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(g):\n"
+        "    y = x * 2\n"
+        "for step in range(3):\n"
+        "    x.fill_(step)\n"
+        "    g.replay()\n"
+        "    print('step', step, y.sum().item())\n")
+    result, report = run_audit_json(tmp_path, "--map-cuda", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:3] == ["step 0 0.0", "step 1 16.0", "step 2 32.0"]
+    graphs = [f for f in report["findings"] if f["category"] == "cuda-graphs"]
+    assert sorted(f["line"] for f in graphs) == [8, 9]  # still listed: a decision to make
+
+
 def test_mapping_is_restored_when_the_body_raises():
     try:
         with CudaMapping():

@@ -19,7 +19,10 @@ The mapping has two parts, both undone when :class:`CudaMapping` exits:
    ``torch.amp.GradScaler`` given ``"cuda"``; ``nn.Module.cuda``;
    ``torch.load``'s ``map_location`` (a device, a string or a dict of
    them) and ``torch.Generator(device=...)``, which do not reach
-   ``__torch_function__``; NVTX ranges become no-ops.
+   ``__torch_function__``; CUDA graphs (``torch.cuda.CUDAGraph`` becomes
+   ``torch.kiln.KilnGraph``, ``torch.cuda.graph`` kiln's); NVTX ranges
+   become ``torch.kiln.nvtx`` ranges (``record_function``, seen by
+   ``torch.profiler``).
 
 Limits (what the mapping cannot see): a device made with ``torch.device``
 reads ``type == "kiln"`` afterwards, so a program's own ``device.type ==
@@ -57,7 +60,23 @@ _SAME_NAME = (
     "default_stream", "set_stream", "stream", "Stream", "Event", "StreamContext",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "ipc_collect",
     "device_count", "init", "is_initialized",
+    # graphs
+    "graph", "graph_pool_handle", "is_current_stream_capturing", "make_graphed_callables",
+    # memory
+    "memory_stats_as_nested_dict", "reset_max_memory_allocated", "reset_max_memory_cached",
+    "memory_cached", "max_memory_cached", "caching_allocator_alloc", "caching_allocator_delete",
+    "caching_allocator_enable", "caching_allocator_disabled", "get_allocator_backend",
+    "MemPool", "use_mem_pool", "host_memory_stats", "host_memory_stats_as_nested_dict",
+    "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
+    "device_memory_used", "list_gpu_processes",
+    # device queries and debugging
+    "can_device_access_peer", "is_tf32_supported", "get_arch_list", "get_gencode_flags",
+    "set_sync_debug_mode", "get_sync_debug_mode", "utilization", "memory_usage",
+    "temperature", "power_draw", "clock_rate",
 )
+
+# torch.cuda names whose kiln counterpart has another name.
+_RENAMED = {"CUDAGraph": "KilnGraph"}
 
 
 def map_device(value: Any) -> Any:
@@ -153,14 +172,14 @@ class CudaMapping(contextlib.AbstractContextManager):
         for name in _SAME_NAME:
             if hasattr(kiln, name):
                 self._set(cuda, name, getattr(kiln, name))
+        for cuda_name, kiln_name in _RENAMED.items():
+            self._set(cuda, cuda_name, getattr(kiln, kiln_name))
         amp = torch.cuda.amp
         self._set(amp, "autocast", _kiln_autocast)
         self._set(amp, "GradScaler", _kiln_grad_scaler)
         nvtx = torch.cuda.nvtx
-        self._set(nvtx, "range_push", lambda msg: 0)
-        self._set(nvtx, "range_pop", lambda: 0)
-        self._set(nvtx, "mark", lambda msg: None)
-        self._set(nvtx, "range", lambda msg, *a, **k: contextlib.nullcontext())
+        for name in ("range_push", "range_pop", "range_start", "range_end", "mark", "range"):
+            self._set(nvtx, name, getattr(kiln.nvtx, name))
 
         autocast_init = torch.amp.autocast.__init__
 

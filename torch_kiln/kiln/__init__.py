@@ -21,7 +21,21 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
-from torch_kiln.kiln import graphs, memory
+from torch_kiln.kiln import amp, graphs, memory, nvtx
+from torch_kiln.kiln._device_queries import (
+    KilnError,
+    can_device_access_peer,
+    check_error,
+    clock_rate,
+    get_arch_list,
+    get_gencode_flags,
+    is_tf32_supported,
+    memory_usage,
+    power_draw,
+    temperature,
+    utilization,
+)
+from torch_kiln.kiln._mempool import MemPool, use_mem_pool
 from torch_kiln.kiln.graphs import (
     KilnGraph,
     graph,
@@ -30,17 +44,33 @@ from torch_kiln.kiln.graphs import (
     make_graphed_callables,
 )
 from torch_kiln.kiln.memory import (
+    caching_allocator_alloc,
+    caching_allocator_delete,
+    caching_allocator_disabled,
+    caching_allocator_enable,
+    device_memory_used,
     empty_cache,
+    get_allocator_backend,
     get_per_process_memory_fraction,
+    host_memory_stats,
+    host_memory_stats_as_nested_dict,
+    list_gpu_processes,
     max_memory_allocated,
+    max_memory_cached,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
+    memory_cached,
     memory_reserved,
     memory_snapshot,
     memory_stats,
+    memory_stats_as_nested_dict,
     memory_summary,
+    reset_accumulated_host_memory_stats,
     reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_max_memory_cached,
+    reset_peak_host_memory_stats,
     reset_peak_memory_stats,
     set_per_process_memory_fraction,
 )
@@ -48,7 +78,9 @@ from torch_kiln.kiln.op_tracking import (
     clear_op_tracking,
     get_executed_ops,
     get_fused_ops,
+    get_sync_debug_mode,
     get_sync_ops,
+    set_sync_debug_mode,
 )
 from torch_kiln.kiln.streams import (
     Event,
@@ -73,6 +105,9 @@ from torch_kiln.kiln.random import (
 )
 
 _initialized = False
+
+# torch.cuda.has_half: kiln computes float16 (ATen's CPU kernels).
+has_half: bool = True
 
 
 # At exit, queued device work may run for _EXIT_DRAIN_MS; then what has not
@@ -283,18 +318,32 @@ _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
 __all__ = [
     "Event",
     "ExternalStream",
+    "KilnError",
+    "MemPool",
     "OutOfMemoryError",
     "Stream",
     "StreamContext",
+    "caching_allocator_alloc",
+    "caching_allocator_delete",
+    "caching_allocator_disabled",
+    "caching_allocator_enable",
+    "can_device_access_peer",
+    "check_error",
     "clear_op_tracking",
+    "clock_rate",
     "current_stream",
+    "default_generators",
     "default_stream",
     "current_device",
     "device",
     "device_count",
+    "device_memory_used",
     "device_of",
     "empty_cache",
+    "get_allocator_backend",
+    "get_arch_list",
     "get_device_capability",
+    "get_gencode_flags",
     "ipc_collect",
     "get_device_name",
     "get_device_properties",
@@ -304,28 +353,43 @@ __all__ = [
     "get_fused_ops",
     "get_rng_state",
     "get_rng_state_all",
+    "get_sync_debug_mode",
     "get_sync_ops",
     "graph",
     "graph_pool_handle",
+    "has_half",
+    "host_memory_stats",
+    "host_memory_stats_as_nested_dict",
     "init",
     "initial_seed",
     "is_available",
     "is_bf16_supported",
     "is_current_stream_capturing",
     "is_initialized",
+    "is_tf32_supported",
     "KilnGraph",
+    "list_gpu_processes",
     "make_graphed_callables",
     "manual_seed",
     "manual_seed_all",
     "max_memory_allocated",
+    "max_memory_cached",
     "max_memory_reserved",
     "mem_get_info",
     "memory_allocated",
+    "memory_cached",
     "memory_reserved",
     "memory_snapshot",
     "memory_stats",
+    "memory_stats_as_nested_dict",
     "memory_summary",
+    "memory_usage",
+    "power_draw",
+    "reset_accumulated_host_memory_stats",
     "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_max_memory_cached",
+    "reset_peak_host_memory_stats",
     "reset_peak_memory_stats",
     "seed",
     "seed_all",
@@ -334,8 +398,12 @@ __all__ = [
     "set_rng_state",
     "set_rng_state_all",
     "set_stream",
+    "set_sync_debug_mode",
     "stream",
     "synchronize",
+    "temperature",
+    "use_mem_pool",
+    "utilization",
 ]
 
 # Inductor's lazy hook for a PrivateUse1 device (init_backend_registration in
@@ -350,7 +418,20 @@ _INDUCTOR_HOOK_NAMES = frozenset(
 )
 
 
+def __dir__() -> list[str]:
+    # default_generators is made on first access (below) but listed as torch.cuda's is.
+    return sorted(set(globals()) | {"default_generators"})
+
+
 def __getattr__(name: str) -> Any:
+    if name == "default_generators":
+        # torch.cuda.default_generators: each device's default generator,
+        # made on first access (making them initialises kiln, which must
+        # not happen at import: a later fork would be a bad fork).
+        global default_generators
+        _lazy_init()
+        default_generators = tuple(_C._get_default_generator(i) for i in range(device_count()))
+        return default_generators
     if name in _INDUCTOR_HOOK_NAMES:
         from torch_kiln.compiler.inductor import register
 

@@ -9,18 +9,29 @@ recording allocator events and the stack of each allocation,
 ``_snapshot``/``memory_snapshot`` return the allocator's state in
 ``torch.cuda.memory._snapshot()``'s format, and ``_dump_snapshot`` pickles
 it for https://pytorch.org/memory_viz and ``torch.cuda._memory_viz``.
+
+Also here, as in ``torch.cuda.memory``: the deprecated aliases
+(``memory_cached``, ``reset_max_memory_allocated``, ...), raw allocations
+(``caching_allocator_alloc``/``_delete``), switching caching off
+(``caching_allocator_enable``), the pinned host allocator's statistics
+(``host_memory_stats``), ``device_memory_used``, ``list_gpu_processes`` and
+``get_allocator_backend``.
+Memory pools (``MemPool``, ``use_mem_pool``) live in ``_mempool.py``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import math
 import pickle
 import sys
+import warnings
 from typing import Any
 
 import torch
+from typing_extensions import deprecated
 
 from torch_kiln import _C
 from torch_kiln.kiln._utils import _device_index
@@ -43,6 +54,23 @@ def memory_stats(device: Any = None) -> collections.OrderedDict:
     e.g. ``"allocated_bytes.all.current"``, ``"reserved_bytes.all.peak"``,
     ``"num_alloc_retries"``, ``"num_ooms"``."""
     return torch.accelerator.memory_stats(_device_index(device, optional=True))
+
+
+def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+    """``memory_stats(device)`` as a nested dictionary, as
+    ``torch.cuda.memory_stats_as_nested_dict`` returns it:
+    ``stats["allocated_bytes"]["all"]["current"]`` is
+    ``memory_stats()["allocated_bytes.all.current"]`` (bytes); the event
+    counters (``"num_ooms"``, ...) are at the top level. Raises like
+    ``memory_stats`` for a bad device."""
+    nested: dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[last] = value
+    return nested
 
 
 def memory_allocated(device: Any = None) -> int:
@@ -73,6 +101,38 @@ def reset_peak_memory_stats(device: Any = None) -> None:
 def reset_accumulated_memory_stats(device: Any = None) -> None:
     """Reset the ``allocated``/``freed`` counters of ``device``."""
     torch.accelerator.reset_accumulated_memory_stats(_device_index(device, optional=True))
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    """Deprecated, as in CUDA: calls ``reset_peak_memory_stats(device)``, which
+    resets *all* peak statistics, with CUDA's ``FutureWarning`` saying so."""
+    warnings.warn(
+        "torch.kiln.reset_max_memory_allocated now calls torch.kiln.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device: Any = None) -> None:
+    """Deprecated, as in CUDA: calls ``reset_peak_memory_stats(device)``, which
+    resets *all* peak statistics, with CUDA's ``FutureWarning`` saying so."""
+    warnings.warn(
+        "torch.kiln.reset_max_memory_cached now calls torch.kiln.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+@deprecated("`torch.kiln.memory_cached` has been renamed to `torch.kiln.memory_reserved`",
+            category=FutureWarning)
+def memory_cached(device: Any = None) -> int:
+    """Deprecated alias of ``memory_reserved`` (bytes), with CUDA's ``FutureWarning``."""
+    return memory_reserved(device)
+
+
+@deprecated("`torch.kiln.max_memory_cached` has been renamed to `torch.kiln.max_memory_reserved`",
+            category=FutureWarning)
+def max_memory_cached(device: Any = None) -> int:
+    """Deprecated alias of ``max_memory_reserved`` (bytes), with CUDA's ``FutureWarning``."""
+    return max_memory_reserved(device)
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
@@ -332,21 +392,39 @@ def _snapshot(device: Any = None, augment_with_fx_traces: bool = False) -> dict[
     return snapshot
 
 
+def _pool_id(mempool_id: Any, what: str) -> tuple[int, int]:
+    """``mempool_id`` as a pool id kiln handed out, or ``(0, 0)``."""
+    if not (isinstance(mempool_id, (tuple, list)) and len(mempool_id) == 2 and
+            all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in mempool_id)):
+        raise TypeError(f"{what}: mempool_id must be None or a pool id (a tuple of two ints, "
+                        f"torch.kiln.MemPool().id or a graph's pool()), got {mempool_id!r}.")
+    pool = (int(mempool_id[0]), int(mempool_id[1]))
+    if pool != (0, 0) and not _C._mempool_is_issued(pool):
+        raise ValueError(f"{what}: {pool} is not a memory pool kiln made (pool ids come from "
+                         "torch.kiln.MemPool().id, torch.kiln.graph_pool_handle() and "
+                         "KilnGraph.pool()); pass one of those, or None for every pool.")
+    return pool
+
+
 def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
     """The segments of ``_snapshot()``: every kiln segment with its blocks, as
     ``torch.cuda.memory_snapshot`` returns (see ``_snapshot`` for the keys;
     sizes in bytes).
 
     Args:
-        mempool_id: ``None`` or ``(0, 0)``: kiln has only the default memory
-            pool (no private pools); anything else raises ``ValueError``.
+        mempool_id: ``None`` or ``(0, 0)``: every segment; the id of a memory
+            pool (``MemPool.id``, ``graph_pool_handle()``, ``KilnGraph.pool()``):
+            only the segments of that pool (their ``segment_pool_id``), on
+            every device.
         include_traces (bool): accepted for CUDA's signature (the segments
             never contain traces).
+
+    Raises:
+        TypeError: ``mempool_id`` is not ``None`` or a pair of ints.
+        ValueError: ``mempool_id`` is not a pool kiln made.
     """
-    if mempool_id is not None and tuple(mempool_id) != (0, 0):
-        raise ValueError(f"memory_snapshot: kiln has no private memory pools, so mempool_id must be "
-                         f"None or (0, 0), got {mempool_id!r}.")
-    return _C._memory_snapshot(False)["segments"]
+    pool = (0, 0) if mempool_id is None else _pool_id(mempool_id, "memory_snapshot")
+    return _C._memory_snapshot(False, pool)["segments"]
 
 
 def _dump_snapshot(filename: str = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
@@ -358,3 +436,205 @@ def _dump_snapshot(filename: str = "dump_snapshot.pickle", augment_with_fx_trace
     snapshot = _snapshot(augment_with_fx_traces=augment_with_fx_traces)
     with open(filename, "wb") as f:
         pickle.dump(snapshot, f)
+
+
+def _stream_id_for(stream: Any, index: int, what: str) -> int:
+    """The c10 stream id of ``stream`` (a kiln ``torch.Stream`` of device
+    ``index``, or a runtime stream handle as ``Stream.kiln_stream`` gives)."""
+    if isinstance(stream, torch.Stream):
+        if stream.device.type != "kiln" or stream.device_index != index:
+            raise ValueError(f"{what}: the stream {stream} is not a stream of kiln:{index}; pass "
+                             f"a stream of that device (torch.kiln.current_stream({index})).")
+        return stream.stream_id
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        if not 0 <= stream < 1 << 64:
+            raise ValueError(f"{what}: {stream} is not a kiln runtime stream handle (an address).")
+        if stream == 0:  # NULL: the device's default stream (stream id 0), as in the runtime API
+            return 0
+        try:
+            stream_id, stream_device, _ = _C._stream_from_external(stream, -1)
+        except ValueError as e:
+            raise ValueError(f"{what}: {stream:#x} is not a kiln runtime stream ({e})") from None
+        if stream_device != index:
+            raise ValueError(f"{what}: the stream {stream:#x} is not a stream of kiln:{index} (it "
+                             f"belongs to kiln:{stream_device}); pass a stream of that device.")
+        return stream_id
+    raise TypeError("Invalid type for stream argument, must be `torch.kiln.Stream` or `int` "
+                    f"representing a pointer to an existing stream, got {type(stream).__name__}.")
+
+
+def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
+    """Allocate ``size`` bytes of device memory from kiln's caching allocator,
+    outside any tensor, as ``torch.cuda.caching_allocator_alloc`` (for other
+    libraries working on kiln memory). Returns the address (an ``int``; 0 for
+    ``size == 0``). Free it with ``caching_allocator_delete``; until then it
+    counts in ``memory_allocated``.
+
+    Args:
+        size (int): bytes, at least 0.
+        device: the kiln device (``None``: the current device).
+        stream: the stream that will use the memory (``None``: the device's
+            current stream): a ``torch.kiln.Stream`` of that device, or a
+            runtime stream handle (``int``, ``Stream.kiln_stream``). As for a
+            tensor, the block is reused at once by later allocations on that
+            stream after it is freed; use from another stream must be ordered
+            by the caller.
+
+    Raises:
+        TypeError: ``size`` is not an int, or ``stream`` is neither a stream
+            nor an int.
+        ValueError: ``size`` is negative, ``device`` is not a kiln device, or
+            ``stream`` belongs to another device (or is an unknown handle).
+        RuntimeError: the device index is not below ``device_count()``.
+        torch.OutOfMemoryError: the device cannot hold ``size`` more bytes.
+    """
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"caching_allocator_alloc: size must be an int (bytes), got "
+                        f"{type(size).__name__} {size!r}.")
+    if size < 0:
+        raise ValueError(f"caching_allocator_alloc: size must be at least 0 bytes, got {size}.")
+    index = _checked_device(device, "caching_allocator_alloc")
+    from torch_kiln.kiln import _lazy_init
+    _lazy_init()
+    if stream is None:
+        stream = torch.accelerator.current_stream(index)
+    stream_id = _stream_id_for(stream, index, "caching_allocator_alloc")
+    return _C._caching_allocator_raw_alloc(size, index, stream_id)
+
+
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """Free memory from ``caching_allocator_alloc`` (``torch.cuda.caching_allocator_delete``).
+    The device and stream are the ones it was allocated for; the block returns
+    to the cache of that stream. 0 is a no-op.
+
+    Raises:
+        TypeError: ``mem_ptr`` is not an int.
+        RuntimeError: ``mem_ptr`` is not an address ``caching_allocator_alloc``
+            returned, or was freed already.
+    """
+    if isinstance(mem_ptr, bool) or not isinstance(mem_ptr, int):
+        raise TypeError(f"caching_allocator_delete: mem_ptr must be an int (an address from "
+                        f"caching_allocator_alloc), got {type(mem_ptr).__name__}.")
+    _C._caching_allocator_raw_delete(mem_ptr)
+
+
+def caching_allocator_enable(value: bool = True) -> None:
+    """Turn caching on (``True``, the default state) or off, on every kiln device
+    (``torch.cuda.caching_allocator_enable``).
+
+    Off, no freed block is reused: every allocation gets memory of its own
+    rounded size from the device runtime, and what was freed goes back to the
+    runtime at the next allocation or ``empty_cache()`` (each return waits for
+    the device, as ``cudaFree`` does, so this is slow: for debugging and for
+    sharing the device with another allocator). Unlike CUDA's uncached mode,
+    statistics stay exact, and the setting also holds before kiln is
+    initialised (CUDA ignores the call then). Memory pools (graph pools,
+    ``MemPool``) keep caching, since their blocks must stay theirs.
+
+    Raises ``TypeError`` if ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"caching_allocator_enable: value must be a bool, got "
+                        f"{type(value).__name__} {value!r}.")
+    _C._caching_allocator_enable(value)
+
+
+@contextlib.contextmanager
+def caching_allocator_disabled():
+    """Context manager that turns caching off for its block and restores the
+    previous setting (``torch.cuda.caching_allocator_disabled``); see
+    ``caching_allocator_enable``."""
+    previous = _C._caching_allocator_is_enabled()
+    caching_allocator_enable(False)
+    try:
+        yield
+    finally:
+        caching_allocator_enable(previous)
+
+
+def get_allocator_backend() -> str:
+    """``"native"``: kiln's own caching allocator (the only backend; kiln reads no
+    ``PYTORCH_ALLOC_CONF`` backend setting), as ``torch.cuda.get_allocator_backend``
+    names PyTorch's native allocator."""
+    return "native"
+
+
+def _flatten(prefix: str, value: Any, out: list) -> None:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else key, inner, out)
+    else:
+        out.append((prefix, value))
+
+
+def host_memory_stats_as_nested_dict() -> dict[str, Any]:
+    """``host_memory_stats()`` as a nested dictionary
+    (``torch.cuda.host_memory_stats_as_nested_dict``)."""
+    return _C._host_memory_stats()
+
+
+def host_memory_stats() -> collections.OrderedDict:
+    """Statistics of the pinned host allocator (``pin_memory()``,
+    ``DataLoader(pin_memory=True)``, ``torch.empty(..., pin_memory=True)``),
+    with the keys of ``torch.cuda.host_memory_stats``: PyTorch's caching host
+    allocator serves kiln's pinned memory, as it serves CUDA's.
+
+    - ``"allocations.{current,peak,allocated,freed}"``: pinned blocks the
+      allocator owns (in use and cached);
+    - ``"allocated_bytes.{...}"``: their bytes (block sizes are rounded up to
+      a power of two);
+    - ``"active_requests.{...}"`` / ``"active_bytes.{...}"``: blocks (bytes)
+      handed out and not yet reusable;
+    - ``"num_host_alloc"`` / ``"num_host_free"``: blocks made by and returned
+      to the runtime (``kilnMallocHost``/``kilnFreeHost``);
+    - ``"host_alloc_time.{total,max,min,count,avg}"`` and
+      ``"host_free_time.{...}"``: microseconds spent in those calls.
+    """
+    result: list = []
+    _flatten("", host_memory_stats_as_nested_dict(), result)
+    result.sort()
+    return collections.OrderedDict(result)
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """Reset the ``allocated``/``freed`` counters (and the timing totals) of
+    ``host_memory_stats()``."""
+    _C._reset_accumulated_host_memory_stats()
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Reset the ``peak`` values of ``host_memory_stats()`` to the current ones."""
+    _C._reset_peak_host_memory_stats()
+
+
+def device_memory_used(device: Any = None) -> int:
+    """Bytes of ``device``'s memory in use, as the device reports it: its
+    capacity minus its free memory (``mem_get_info``), so memory the caching
+    allocator reserves counts, as in ``nvidia-smi`` (``torch.cuda.device_memory_used``).
+    Raises like ``mem_get_info`` for a bad device."""
+    free, total = mem_get_info(device)
+    return total - free
+
+
+def list_gpu_processes(device: Any = None) -> str:
+    """A printable list of the processes using ``device`` and their memory, in
+    the layout of ``torch.cuda.list_gpu_processes``::
+
+        kiln:0
+        process      12345 uses       12.000 MB GPU memory
+
+    Each process has its own instance of the reference device (its memory is
+    the process's), so the list is this process, with the device memory it
+    holds (``device_memory_used``, MB of 2**20 bytes); memory another process
+    shared with it (kiln tensors received through ``torch.multiprocessing``)
+    is counted by its owner. Raises like ``memory_stats`` for a bad device."""
+    import os
+
+    index = _checked_device(device, "list_gpu_processes")
+    used = device_memory_used(index)
+    lines = [f"kiln:{index}"]
+    if used == 0:
+        lines.append("no processes are running")
+    else:
+        lines.append(f"process {os.getpid():>10d} uses {used / (1024 * 1024):>12.3f} MB GPU memory")
+    return "\n".join(lines)

@@ -182,6 +182,9 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   const at::Tensor target = dst_dense ? dst : at::empty(dst.sizes(), dst.options());
   const size_t bytes = denseBytes(target);
   checkSpanInStorage(target, bytes);
+  if (!non_blocking) {
+    recordSyncOp("aten::_copy_from"); // may raise (sync debug mode): before the copy is queued
+  }
   KILN_CHECK(kilnMemcpyAsync(target.data_ptr(), staged.const_data_ptr(), bytes,
                              kilnMemcpyHostToDevice, stream.stream()));
   if (bytes == target.storage().nbytes()) {
@@ -196,7 +199,6 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
     }
     return;
   }
-  recordSyncOp("aten::_copy_from");
   synchronizeProtectingPinned(stream, staged); // a blocking copy has completed when it returns
 }
 
@@ -220,15 +222,18 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
       byteCopyable(packed, dst) ? dst : emptyLike(packed, packed.scalar_type(), c10::kCPU, true);
   const size_t bytes = denseBytes(packed);
   checkSpanInStorage(packed, bytes);
+  const bool waits = !(non_blocking && landing.is_same(dst) && isPinned(dst));
+  if (waits) {
+    recordSyncOp(sync_op); // may raise: before `landing` is written asynchronously
+  }
   KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
                              kilnMemcpyDeviceToHost, stream.stream()));
-  if (non_blocking && landing.is_same(dst) && isPinned(dst)) {
+  if (!waits) {
     // Note [Results of failed kernels]
     c10::kiln::checkNotFailedResult(src.storage().data(), src.device().index());
     protectPinned(dst, stream);
     return;
   }
-  recordSyncOp(sync_op);
   synchronizeProtectingPinned(stream, landing); // raises a pending kernel error first...
   // ...then refuses never-computed values
   c10::kiln::checkNotFailedResult(src.storage().data(), src.device().index());

@@ -1,10 +1,12 @@
 #include "aten/OpTracking.h"
 
+#include "core/KilnFunctions.h"
 #include "core/KilnGraph.h"
 
 #include <mutex>
 
 namespace at::kiln {
+
 namespace {
 
 // Counts keyed by a stable pointer (the operator's name inside its schema, or
@@ -63,12 +65,18 @@ void recordSyncOp(const c10::OperatorName& op) {
   if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
     c10::kiln::refuseWhileCapturing(nameOf(op).c_str(), c10::kiln::CaptureRefusal::HostRead);
   }
+  if (C10_UNLIKELY(c10::kiln::syncDebugModeIsOn())) {
+    c10::kiln::warn_or_error_on_sync(nameOf(op).c_str());
+  }
   bump(counters().sync, &op, [&] { return nameOf(op); });
 }
 
 void recordSyncOp(const char* name) {
   if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
     c10::kiln::refuseWhileCapturing(name, c10::kiln::CaptureRefusal::HostRead);
+  }
+  if (C10_UNLIKELY(c10::kiln::syncDebugModeIsOn())) {
+    c10::kiln::warn_or_error_on_sync(name);
   }
   bump(counters().sync, name, [&] { return std::string(name); });
 }

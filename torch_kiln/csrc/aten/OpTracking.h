@@ -20,6 +20,9 @@ namespace at::kiln {
 void recordExecutedOp(const c10::OperatorName& op);
 // `name` must have static storage (a string literal).
 void recordExecutedOp(const char* name);
+// Counts a sync op. Call it before the op waits or enqueues work whose
+// host memory the wait protects: it may raise (a capture underway on the
+// stream, or the sync debug mode "error": c10::kiln::warn_or_error_on_sync).
 void recordSyncOp(const c10::OperatorName& op);
 void recordSyncOp(const char* name); // `name`: a string literal
 // A synchronization made once per layout class to check the op's meta

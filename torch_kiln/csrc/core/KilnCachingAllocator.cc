@@ -124,6 +124,29 @@ namespace c10::kiln::KilnCachingAllocator {
 // or destroyed), its free segments are released at the next empty_cache,
 // as CUDA frees freeable pools in release_cached_blocks.
 
+// Note [User memory pools]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// torch.kiln.MemPool and use_mem_pool are CUDA's MemPool and use_mem_pool:
+// inside `with use_mem_pool(pool)`, the calling thread's allocations on the
+// pool's device come from that pool, and blocks freed later (on any thread)
+// go back to it, never to ordinary allocations. They reuse the graph pools'
+// mechanism with one difference: a user pool keeps a key per (pool, stream),
+// made on the stream's first allocation into the pool, so a block is only
+// reused on the stream it was allocated on, exactly as outside a pool (a
+// graph's pool has one key, since its capture runs on one stream and its
+// replays are ordered by the user). Pools are numbered as CUDA's ({0, n}
+// for MemPools, {n, 0} for graph pools); only numbers handed out here are
+// accepted by captures. Use counts are CUDA's: 1 for the MemPool object,
+// one more per active use_mem_pool and per graph holding the pool. While
+// in use, a pool's free segments stay reserved (empty_cache keeps them);
+// when the MemPool is destroyed they go back to the runtime. The options:
+// no_split pools never split a block (a request takes a whole cached block
+// or a segment of its own rounded size); a use_on_oom pool lends its free
+// blocks (of the same stream) to an ordinary allocation that would
+// otherwise fail with out-of-memory, after the cache was released. A graph
+// capture underway on the current stream takes precedence over the thread's
+// pool. Custom allocators (MemPool(allocator=...)) are not supported.
+
 namespace {
 
 using c10::CachingAllocator::format_size;
@@ -165,7 +188,8 @@ struct Block {
 // One runtime allocation (kilnMalloc), split into blocks head, head->next, ...
 struct Segment {
   Block* head = nullptr; // the block at the segment's start address
-  StreamId stream_id = 0;
+  StreamId stream_id = 0;   // the stream's id, or a pool's key
+  StreamId real_stream = 0; // the stream it was allocated on
   size_t size = 0;
   bool is_small = false;
   Context context_when_allocated;
@@ -207,6 +231,13 @@ void forEachPoolOf(const Block* block, F&& f) {
   c10::CachingAllocator::for_each_selected_stat_type(statTypesOf(block), f);
 }
 
+// The user pools the calling thread allocates to (use_mem_pool), as
+// (device, pool id), innermost last (Note [User memory pools]).
+thread_local std::vector<std::pair<DeviceIndex, MempoolId_t>> t_pool_routes;
+
+// caching_allocator_enable (read without a lock on malloc's path).
+std::atomic<bool> g_caching_enabled{true};
+
 // Everything the allocator knows about one device, guarded by `mutex`.
 class DeviceCache {
  public:
@@ -220,20 +251,32 @@ class DeviceCache {
     const size_t size = roundSize(requested);
     const bool is_small = size <= kSmallSize;
     FreeList& pool = is_small ? small_free_ : large_free_;
-    const StreamId key = C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))
+    StreamId key = C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))
         ? keyForCapturingStream(stream.id())
         : stream.id();
+    if (key == stream.id() && C10_UNLIKELY(!t_pool_routes.empty())) {
+      key = keyForThreadRoute(stream.id());
+    }
+    // Not caching (caching_allocator_enable(False)) applies to ordinary
+    // allocations only; pools keep their blocks.
+    const bool uncached =
+        key == stream.id() && C10_UNLIKELY(!g_caching_enabled.load(std::memory_order_relaxed));
 
-    Block* block = takeCached(pool, key, size);
+    Block* block = uncached ? nullptr : takeCached(pool, key, size);
     if (block == nullptr) {
-      if (!is_small && key == stream.id()) {
+      const bool whole = uncached || isNoSplitKey(key);
+      if (uncached) {
+        releaseAllCached(context); // what was freed since the last allocation
+      } else if (!is_small && key == stream.id()) {
         releaseSmallerSegments(stream.id(), size, context);
       }
-      block = allocateSegment(requested, is_small ? kSmallSegment : size, is_small, stream, key,
-                              context);
+      block = allocateSegment(requested, whole ? size : (is_small ? kSmallSegment : size),
+                              is_small, stream, key, context);
     }
     block->real_stream = stream.id();
-    splitIfLarger(block, size);
+    if (!uncached && !isNoSplitKey(block->stream_id)) {
+      splitIfLarger(block, size);
+    }
     clearFailedResult(block->ptr); // new contents (Note [Results of failed kernels])
     block->allocated = true;
     block->requested = requested;
@@ -305,13 +348,40 @@ class DeviceCache {
                   " stream ", stream, " is already allocating to a graph memory pool (a capture is "
                   "underway on it)");
     }
-    auto it = pools_.find(id);
-    if (it == pools_.end()) {
-      it = pools_.emplace(id, PrivatePool{0, next_pool_key_--}).first;
-    }
-    it->second.use_count++;
-    captures_.emplace_back(stream, it->second.key);
+    PrivatePool& pool = poolFor(id);
+    pool.use_count++;
+    captures_.emplace_back(stream, pool.key);
     capturing_.store(true, std::memory_order_relaxed);
+  }
+
+  // Note [User memory pools].
+  void createOrIncrefPool(MempoolId_t id, bool no_split, bool use_on_oom) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool created = pools_.find(id) == pools_.end();
+    PrivatePool& pool = poolFor(id);
+    if (created) {
+      pool.no_split = no_split;
+      pool.use_on_oom = use_on_oom;
+    }
+    pool.use_count++;
+  }
+
+  int poolUseCount(MempoolId_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = pools_.find(id);
+    return it == pools_.end() ? 0 : it->second.use_count;
+  }
+
+  // Returns the whole free segments of pool `id` to the runtime, unless the
+  // pool is in use.
+  void emptyPoolCache(MempoolId_t id) {
+    Context context = maybeGatherContext(RecordContext::ALL);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (pools_.find(id) != pools_.end()) {
+      return;
+    }
+    releaseCached(small_free_, context, &id);
+    releaseCached(large_free_, context, &id);
   }
 
   void endAllocateToPool(MempoolId_t id) {
@@ -381,15 +451,22 @@ class DeviceCache {
     trace_max_ = max_entries;
   }
 
-  // Appends the device's segments, each with its blocks in address order.
-  void snapshot(std::vector<SegmentInfo>& out) {
+  // Appends the device's segments (of pool `pool` only, unless it is
+  // {0, 0}), each with its blocks in address order.
+  void snapshot(std::vector<SegmentInfo>& out, MempoolId_t pool) {
     std::lock_guard<std::mutex> lock(mutex_);
     size_t total_active = 0;
+    const bool all_pools = pool == MempoolId_t{0, 0};
     for (const Segment* segment : segments_) {
+      const MempoolId_t owner = ownerOfKey(segment->stream_id);
+      if (!all_pools && owner != pool) {
+        continue;
+      }
       SegmentInfo& info = out.emplace_back();
       info.device = device_;
       info.address = reinterpret_cast<size_t>(segment->head->ptr);
-      info.stream = reinterpret_cast<void*>(static_cast<intptr_t>(segment->stream_id));
+      info.stream = reinterpret_cast<void*>(static_cast<intptr_t>(segment->real_stream));
+      info.owner_private_pool_id = owner;
       info.is_large = !segment->is_small;
       info.context_when_allocated = segment->context_when_allocated;
       for (const Block* block = segment->head; block != nullptr; block = block->next) {
@@ -624,17 +701,104 @@ class DeviceCache {
     return stream;
   }
 
-  // Whether `key` names a graph pool still in use (its memory must stay).
-  bool isLivePoolKey(StreamId key) const {
-    if (key >= 0) {
-      return false;
+  // The key the calling thread's innermost route to a pool of this device
+  // allocates with on `stream` (made on first use), or the stream's id if
+  // the thread routes nothing here (Note [User memory pools]). mutex_ held.
+  StreamId keyForThreadRoute(StreamId stream) {
+    for (auto route = t_pool_routes.rbegin(); route != t_pool_routes.rend(); ++route) {
+      if (route->first != device_) {
+        continue;
+      }
+      const auto it = pools_.find(route->second);
+      if (it == pools_.end()) {
+        break; // released while routed: allocate normally
+      }
+      for (const auto& [real, key] : it->second.stream_keys) {
+        if (real == stream) {
+          return key;
+        }
+      }
+      const StreamId key = newKey(route->second);
+      it->second.stream_keys.emplace_back(stream, key);
+      return key;
     }
-    for (const auto& [id, pool] : pools_) {
-      if (pool.key == key) {
-        return true;
+    return stream;
+  }
+
+  // The pool `id` of this device, created (use count 0) if missing. mutex_ held.
+  struct PrivatePool;
+  PrivatePool& poolFor(MempoolId_t id) {
+    auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      it = pools_.emplace(id, PrivatePool{}).first;
+      it->second.key = newKey(id);
+    }
+    return it->second;
+  }
+
+  StreamId newKey(MempoolId_t id) {
+    const StreamId key = next_pool_key_--;
+    key_owner_.emplace(key, id);
+    return key;
+  }
+
+  // The pool a key was made for ({0, 0} for a stream's id).
+  MempoolId_t ownerOfKey(StreamId key) const {
+    if (key >= 0) {
+      return {0, 0};
+    }
+    const auto it = key_owner_.find(key);
+    return it == key_owner_.end() ? MempoolId_t{0, 0} : it->second;
+  }
+
+  // The pool in use that allocates with `key`, or nullptr (a stream's id, or
+  // a key of a pool no longer in use). mutex_ held.
+  const PrivatePool* livePoolOfKey(StreamId key) const {
+    if (key >= 0) {
+      return nullptr;
+    }
+    const auto it = pools_.find(ownerOfKey(key));
+    if (it == pools_.end()) {
+      return nullptr;
+    }
+    if (it->second.key == key) {
+      return &it->second;
+    }
+    for (const auto& entry : it->second.stream_keys) {
+      if (entry.second == key) {
+        return &it->second;
       }
     }
-    return false;
+    return nullptr;
+  }
+
+  // Whether `key` names a graph or user pool still in use (its memory must stay).
+  bool isLivePoolKey(StreamId key) const {
+    return livePoolOfKey(key) != nullptr;
+  }
+
+  bool isNoSplitKey(StreamId key) const {
+    const PrivatePool* pool = livePoolOfKey(key);
+    return pool != nullptr && pool->no_split;
+  }
+
+  // A free block of a use_on_oom pool for an ordinary allocation on `stream`
+  // that found no memory (Note [User memory pools]), or nullptr.
+  Block* takeFromOomPools(bool is_small, size_t size, StreamId stream) {
+    for (auto& [id, pool] : pools_) {
+      if (!pool.use_on_oom) {
+        continue;
+      }
+      for (const auto& [real, key] : pool.stream_keys) {
+        if (real != stream) {
+          continue;
+        }
+        if (Block* block = takeCached(is_small ? small_free_ : large_free_, key, size)) {
+          return block;
+        }
+      }
+    }
+    return nullptr;
   }
 
   Block* allocateSegment(size_t requested, size_t size, bool is_small, const KilnStream& stream,
@@ -654,6 +818,11 @@ class DeviceCache {
       size = block_size;
       status = runtimeMalloc(&ptr, size);
     }
+    if (status == kilnErrorMemoryAllocation && key == stream.id()) {
+      if (Block* lent = takeFromOomPools(is_small, block_size, stream.id())) {
+        return lent; // stays the pool's (its key), so it goes back there when freed
+      }
+    }
     if (status == kilnErrorMemoryAllocation) {
       stats_.num_ooms++;
       raiseOutOfMemory(requested, size, stream.id(), context);
@@ -669,6 +838,7 @@ class DeviceCache {
     auto* segment = new Segment();
     segment->head = block;
     segment->stream_id = key;
+    segment->real_stream = stream.id();
     segment->size = size;
     segment->is_small = is_small;
     segment->context_when_allocated = context;
@@ -867,12 +1037,14 @@ class DeviceCache {
   }
 
   // Returns the pool's whole free segments to the runtime (a segment with
-  // an allocated block stays).
-  void releaseCached(FreeList& pool, const Context& context) {
+  // an allocated block stays, as do those of pools in use); with `only`,
+  // just the segments of that memory pool.
+  void releaseCached(FreeList& pool, const Context& context, const MempoolId_t* only = nullptr) {
     bool released = false;
     for (auto it = pool.begin(); it != pool.end();) {
       Block* block = *it;
-      if (isSplit(block) || isLivePoolKey(block->stream_id)) {
+      if (isSplit(block) || isLivePoolKey(block->stream_id) ||
+          (only != nullptr && ownerOfKey(block->stream_id) != *only)) {
         ++it;
         continue;
       }
@@ -898,9 +1070,13 @@ class DeviceCache {
   // read without mutex_ on malloc's hot path.
   struct PrivatePool {
     int use_count = 0;
-    StreamId key = 0;
+    StreamId key = 0; // what graph captures into the pool allocate with
+    std::vector<std::pair<StreamId, StreamId>> stream_keys; // thread routes: (stream, key)
+    bool no_split = false;
+    bool use_on_oom = false;
   };
   std::map<MempoolId_t, PrivatePool> pools_;
+  std::map<StreamId, MempoolId_t> key_owner_; // every key made, with its pool's id
   std::vector<std::pair<StreamId, StreamId>> captures_;
   std::atomic<bool> capturing_{false};
   StreamId next_pool_key_ = -1;
@@ -966,8 +1142,12 @@ class KilnDeviceAllocator final : public c10::DeviceAllocator {
     return true;
   }
 
-  void emptyCache(MempoolId_t /*mempool_id*/) override {
-    KilnCachingAllocator::emptyCache();
+  void emptyCache(MempoolId_t mempool_id) override {
+    if (mempool_id == MempoolId_t{0, 0}) {
+      KilnCachingAllocator::emptyCache();
+    } else {
+      KilnCachingAllocator::emptyPoolCache(mempool_id);
+    }
   }
 
   void recordStream(const DataPtr& ptr, c10::Stream stream) override {
@@ -1022,6 +1202,106 @@ void releasePool(DeviceIndex device, MempoolId_t pool) {
   deviceCache(device).releasePool(pool);
 }
 
+namespace {
+std::atomic<CaptureId_t> g_next_user_pool{1};  // {0, n}: MemPool
+std::atomic<CaptureId_t> g_next_graph_pool{1}; // {n, 0}: graph_pool_handle(), a graph's own
+
+// Blocks handed out by rawAlloc, by address (leaked: freed during exit too).
+std::mutex& rawMutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+ska::flat_hash_map<void*, Block*>& rawBlocks() {
+  static auto* blocks = new ska::flat_hash_map<void*, Block*>();
+  return *blocks;
+}
+} // namespace
+
+MempoolId_t newPoolId(bool user_created) {
+  return user_created ? MempoolId_t{0, g_next_user_pool.fetch_add(1)}
+                      : MempoolId_t{g_next_graph_pool.fetch_add(1), 0};
+}
+
+bool isIssuedPoolId(MempoolId_t id) {
+  if (id.first == 0) {
+    return id.second != 0 && id.second < g_next_user_pool.load();
+  }
+  return id.second == 0 && id.first < g_next_graph_pool.load();
+}
+
+void createOrIncrefPool(DeviceIndex device, MempoolId_t id, bool no_split, bool use_on_oom) {
+  check_device_index(device);
+  deviceCache(device).createOrIncrefPool(id, no_split, use_on_oom);
+}
+
+int poolUseCount(DeviceIndex device, MempoolId_t id) {
+  check_device_index(device);
+  return deviceCache(device).poolUseCount(id);
+}
+
+void beginAllocateCurrentThreadToPool(DeviceIndex device, MempoolId_t id) {
+  check_device_index(device);
+  deviceCache(device).createOrIncrefPool(id, false, false);
+  t_pool_routes.emplace_back(device, id);
+}
+
+void endAllocateCurrentThreadToPool(DeviceIndex device, MempoolId_t id) {
+  for (auto route = t_pool_routes.rbegin(); route != t_pool_routes.rend(); ++route) {
+    if (route->first == device && route->second == id) {
+      t_pool_routes.erase(std::next(route).base());
+      return;
+    }
+  }
+  TORCH_CHECK(false, "The calling thread does not allocate to memory pool (", id.first, ", ",
+              id.second, ") on kiln:", static_cast<int>(device),
+              " (end each use_mem_pool on the thread that began it).");
+}
+
+void emptyPoolCache(MempoolId_t id) {
+  for (const auto device : c10::irange(device_count())) {
+    deviceCache(device).emptyPoolCache(id);
+  }
+}
+
+void setEnabled(bool enabled) {
+  g_caching_enabled.store(enabled, std::memory_order_relaxed);
+}
+
+bool isEnabled() {
+  return g_caching_enabled.load(std::memory_order_relaxed);
+}
+
+void* rawAlloc(size_t size, DeviceIndex device, const KilnStream& stream) {
+  check_device_index(device);
+  TORCH_CHECK_VALUE(stream.device_index() == device, "caching_allocator_alloc: the stream (",
+                    stream, ") is not a stream of kiln:", static_cast<int>(device),
+                    "; pass a stream of that device.");
+  if (size == 0) {
+    return nullptr;
+  }
+  Block* block = deviceCache(device).malloc(size, stream);
+  std::lock_guard<std::mutex> lock(rawMutex());
+  rawBlocks().emplace(block->ptr, block);
+  return block->ptr;
+}
+
+void rawDelete(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  Block* block = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(rawMutex());
+    const auto it = rawBlocks().find(ptr);
+    TORCH_CHECK(it != rawBlocks().end(), "caching_allocator_delete: ", ptr,
+                " is not memory from torch.kiln.caching_allocator_alloc (or it was freed "
+                "already); pass the address caching_allocator_alloc returned, once.");
+    block = it->second;
+    rawBlocks().erase(it);
+  }
+  deviceCache(block->device).free(block);
+}
+
 void emptyCache() {
   const DeviceIndex count = device_count();
   for (const auto device : c10::irange(count)) {
@@ -1072,12 +1352,12 @@ void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries,
   }
 }
 
-SnapshotInfo snapshot(bool include_traces) {
+SnapshotInfo snapshot(bool include_traces, MempoolId_t pool) {
   SnapshotInfo result;
   const DeviceIndex count = device_count();
   for (const auto device : c10::irange(count)) {
     const size_t first = result.segments.size();
-    deviceCache(device).snapshot(result.segments);
+    deviceCache(device).snapshot(result.segments, pool);
     std::sort(result.segments.begin() + static_cast<std::ptrdiff_t>(first), result.segments.end(),
               [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
   }

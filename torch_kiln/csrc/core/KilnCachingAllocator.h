@@ -51,6 +51,56 @@ void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream);
 void endAllocateToPool(DeviceIndex device, MempoolId_t pool);
 void releasePool(DeviceIndex device, MempoolId_t pool);
 
+// --- Pool ids and user memory pools (torch.kiln.MemPool, use_mem_pool). See
+// Note [User memory pools] in KilnCachingAllocator.cc.
+//
+// A new pool id, as CUDA numbers them: {0, n} for a user pool (MemPool),
+// {n, 0} for graph pools (graph_pool_handle(), a graph's own pool).
+MempoolId_t newPoolId(bool user_created);
+// Whether `id` was handed out by newPoolId (so a capture may name it).
+bool isIssuedPoolId(MempoolId_t id);
+// Creates pool `id` on `device` with use count 1, or adds a use to it if it
+// exists (CUDA's createOrIncrefPool). `no_split`: blocks of the pool are
+// never split (each allocation gets a whole block: a segment of its own
+// rounded size, or a cached block that fits). `use_on_oom`: an ordinary
+// allocation that would fail with out-of-memory may take a free block of
+// this pool instead (of its stream). The options of an existing pool stay.
+void createOrIncrefPool(DeviceIndex device, MempoolId_t id, bool no_split = false,
+                        bool use_on_oom = false);
+// The pool's use count on `device` (0 if it does not exist there).
+int poolUseCount(DeviceIndex device, MempoolId_t id);
+// Routes the calling thread's allocations on `device` to pool `id` (adding a
+// use, created if needed) until endAllocateCurrentThreadToPool; innermost
+// wins when nested. Blocks are kept per (pool, stream), so stream-ordered
+// reuse holds inside a pool as outside. A graph capture on the current
+// stream takes precedence.
+void beginAllocateCurrentThreadToPool(DeviceIndex device, MempoolId_t id);
+// Ends the innermost routing of this thread to `id` on `device` (it does not
+// drop the use: call releasePool). Raises c10::Error if there is none.
+void endAllocateCurrentThreadToPool(DeviceIndex device, MempoolId_t id);
+// Returns to the runtime the whole free segments of pool `id` on every
+// device, if the pool is no longer in use there (a pool in use keeps them).
+void emptyPoolCache(MempoolId_t id);
+
+// --- Enabling and raw allocations (torch.kiln.caching_allocator_enable,
+// caching_allocator_alloc/delete).
+//
+// setEnabled(false) stops caching on every device: ordinary allocations get a
+// segment of their own rounded size from the runtime (never a cached or split
+// block), and segments freed since the last call go back to the runtime at
+// the next allocation (a free may run on a stream worker, where the runtime
+// cannot wait for the device) or empty_cache. Statistics stay exact. Graph
+// and user pools keep caching (a graph's replays need its blocks).
+void setEnabled(bool enabled);
+bool isEnabled();
+// `size` bytes on `device` for work on `stream` (a stream of that device),
+// outside any tensor, as CUDA's raw_alloc_with_stream; nullptr for 0 bytes.
+// Raises c10::OutOfMemoryError like a tensor allocation.
+void* rawAlloc(size_t size, DeviceIndex device, const KilnStream& stream);
+// Frees memory from rawAlloc (stream-ordered, as a tensor's). nullptr is a
+// no-op; anything else not from rawAlloc (or freed already) raises c10::Error.
+void rawDelete(void* ptr);
+
 c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device);
 void resetPeakStats(DeviceIndex device);
 void resetAccumulatedStats(DeviceIndex device);
@@ -101,8 +151,11 @@ struct SnapshotInfo {
 
 // The state of every device's allocator: its segments with their blocks, and
 // the recorded traces (empty unless recording is on, or if `include_traces` is
-// false). Records a SNAPSHOT trace entry while recording.
-SnapshotInfo snapshot(bool include_traces = true);
+// false). Records a SNAPSHOT trace entry while recording. A `pool` other than
+// {0, 0} keeps only the segments of that pool. SegmentInfo::stream is the
+// real stream's id also for pool segments; owner_private_pool_id names the
+// pool ({0, 0}: none).
+SnapshotInfo snapshot(bool include_traces = true, MempoolId_t pool = {0, 0});
 
 // Kiln's allocator constants, for the snapshot's "allocator_settings".
 struct AllocatorSettings {

@@ -235,4 +235,51 @@ void device_synchronize(DeviceIndex index) {
   KILN_CHECK(status);
 }
 
+// Note [Sync debug mode]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// torch.kiln.set_sync_debug_mode("warn" | "error") is CUDA's sync debug mode:
+// an operation that makes the host wait for the device warns or raises, on
+// the calling thread and before it waits, so the Python traceback points at
+// the user's line. Kiln names the operation (CUDA only says "called a
+// synchronizing CUDA operation"). What counts is what get_sync_ops() counts
+// (host reads: item(), nonzero, printing, blocking copies to the host and
+// from pageable memory, sparse compute) plus torch.kiln.Stream.synchronize(),
+// which CUDA's mode covers too; explicit device-wide waits
+// (torch.kiln.synchronize(), Event.synchronize()) are not, as on CUDA. Kiln's
+// one-time layout checks (Note [Verifying meta kernels]) are not either: they
+// are an implementation detail no program can avoid, and an "error" mode
+// that refused them would refuse every program. The mode is process-wide,
+// as CUDA's.
+
+namespace {
+std::atomic<int> g_sync_debug_mode{0};
+} // namespace
+
+void set_sync_debug_mode(SyncDebugMode mode) {
+  g_sync_debug_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
+}
+
+SyncDebugMode get_sync_debug_mode() {
+  return static_cast<SyncDebugMode>(g_sync_debug_mode.load(std::memory_order_relaxed));
+}
+
+bool syncDebugModeIsOn() {
+  return g_sync_debug_mode.load(std::memory_order_relaxed) != 0;
+}
+
+void warn_or_error_on_sync(const char* what) {
+  const int mode = g_sync_debug_mode.load(std::memory_order_relaxed);
+  if (C10_LIKELY(mode == static_cast<int>(SyncDebugMode::Default))) {
+    return;
+  }
+  TORCH_CHECK(mode != static_cast<int>(SyncDebugMode::Error),
+              "called a synchronizing kiln operation: ", what,
+              " makes the host wait for the device, and torch.kiln.set_sync_debug_mode(\"error\") "
+              "forbids that. Avoid the synchronization (keep the value on the device, use "
+              "non_blocking=True copies to pinned memory), or allow it with "
+              "torch.kiln.set_sync_debug_mode(\"default\").");
+  TORCH_WARN("called a synchronizing kiln operation: ", what,
+             " makes the host wait for the device (torch.kiln.set_sync_debug_mode(\"warn\")).");
+}
+
 } // namespace c10::kiln

@@ -33,4 +33,16 @@ DeviceIndex maybe_exchange_device(DeviceIndex index);
 // first pending task error on them.
 void device_synchronize(DeviceIndex index = -1);
 
+// --- Sync debug mode (torch.kiln.set_sync_debug_mode; CUDA's
+// c10::cuda::warning_state). See Note [Sync debug mode] in KilnFunctions.cc.
+enum class SyncDebugMode : int { Default = 0, Warn = 1, Error = 2 };
+void set_sync_debug_mode(SyncDebugMode mode);
+SyncDebugMode get_sync_debug_mode();
+// Whether the mode is "warn" or "error" (one relaxed load).
+bool syncDebugModeIsOn();
+// Called before an operation makes the host wait for the device: in "warn"
+// mode warns, in "error" mode raises c10::Error, naming `what` (an ATen op
+// name, or a call such as "torch.kiln.Stream.synchronize()").
+void warn_or_error_on_sync(const char* what);
+
 } // namespace c10::kiln

@@ -65,13 +65,10 @@ std::vector<std::pair<kilnStream_t, KilnGraph*>>& capturingGraphs() {
   return *graphs;
 }
 
-std::atomic<CaptureId_t> g_next_graph_pool{1}; // {0, n}: a graph's own pool
-std::atomic<CaptureId_t> g_next_shared_pool{1}; // {n, 0}: graph_pool_handle()
-
 } // namespace
 
 MempoolId_t graphPoolHandle() {
-  return {g_next_shared_pool.fetch_add(1), 0};
+  return KilnCachingAllocator::newPoolId(/*user_created=*/false);
 }
 
 bool isStreamCapturing(const KilnStream& stream) {
@@ -184,8 +181,16 @@ void KilnGraph::capture_begin(MempoolId_t pool, const std::string& capture_error
               static_cast<int>(device), " stream ", stream.id(),
               ": the stream is already capturing (nested captures on one stream are not "
               "allowed; end the outer capture first).");
-  const MempoolId_t id =
-      pool.first != 0 || pool.second != 0 ? pool : MempoolId_t{0, g_next_graph_pool.fetch_add(1)};
+  // A pool token must be one kiln handed out: a made-up one would silently
+  // share (or create) a pool nobody else can name.
+  TORCH_CHECK_VALUE(
+      (pool.first == 0 && pool.second == 0) || KilnCachingAllocator::isIssuedPoolId(pool),
+      "kiln graph capture: pool (", pool.first, ", ", pool.second, ") is not a memory pool "
+      "kiln made. Pass None (a private pool for this graph), "
+      "torch.kiln.graph_pool_handle(), another graph's pool() or a torch.kiln.MemPool's id.");
+  const MempoolId_t id = pool.first != 0 || pool.second != 0
+      ? pool
+      : KilnCachingAllocator::newPoolId(/*user_created=*/false);
   KilnCachingAllocator::beginAllocateToPool(device, id, stream.id());
   const kilnError_t status = kilnStreamBeginCapture(stream.stream(), 0);
   if (status != kilnSuccess) {

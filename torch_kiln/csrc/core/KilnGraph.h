@@ -31,7 +31,8 @@ class KilnGraph {
 
   // Begins capturing the current stream of the current device. `pool` {0, 0}
   // makes a private memory pool for this graph; another graph's pool() or a
-  // graph_pool_handle() shares that pool. `capture_error_mode` must be
+  // graph_pool_handle() or a MemPool's id shares that pool; any other id
+  // raises c10::ValueError (a made-up token). `capture_error_mode` must be
   // "global", "thread_local" or "relaxed" (CUDA's names); kiln applies one
   // rule in every mode (Note [Kiln graphs]). Raises c10::Error if this graph
   // already holds a capture, the current stream is the default stream, or

@@ -93,6 +93,11 @@ bool KilnGuardImpl::queryStream(const Stream& stream) const {
 }
 
 void KilnGuardImpl::synchronizeStream(const Stream& stream) const {
+  // torch.Stream.synchronize() on kiln; CUDA's sync debug mode covers it
+  // (Note [Sync debug mode]).
+  if (C10_UNLIKELY(syncDebugModeIsOn())) {
+    warn_or_error_on_sync("torch.kiln.Stream.synchronize()");
+  }
   KilnStream(stream).synchronize();
 }
 

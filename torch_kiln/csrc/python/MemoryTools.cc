@@ -6,6 +6,7 @@
 // See Note [Kiln memory history] in core/KilnCachingAllocator.cc.
 #include "python/MemoryTools.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/utils/pybind.h>
@@ -17,6 +18,7 @@
 
 #include "core/KilnCachingAllocator.h"
 #include "core/KilnFunctions.h"
+#include "core/KilnStream.h"
 
 namespace py = pybind11;
 
@@ -115,7 +117,8 @@ void recordMemoryHistory(const std::optional<std::string>& enabled,
 }
 
 // The snapshot as Python objects (needs the GIL, to symbolize Python frames).
-py::dict memorySnapshot(bool include_traces) {
+// `pool` other than (0, 0): only that memory pool's segments.
+py::dict memorySnapshot(bool include_traces, std::pair<uint64_t, uint64_t> pool) {
   const py::str device_s = "device", address_s = "address", total_size_s = "total_size",
                 allocated_size_s = "allocated_size", active_size_s = "active_size",
                 requested_size_s = "requested_size", stream_s = "stream",
@@ -139,7 +142,7 @@ py::dict memorySnapshot(bool include_traces) {
     }
   };
 
-  const alloc::SnapshotInfo snapshot = alloc::snapshot(include_traces);
+  const alloc::SnapshotInfo snapshot = alloc::snapshot(include_traces, {pool.first, pool.second});
 
   py::list segments;
   for (const auto& segment : snapshot.segments) {
@@ -152,7 +155,8 @@ py::dict memorySnapshot(bool include_traces) {
     s[requested_size_s] = segment.requested_size;
     s[stream_s] = reinterpret_cast<intptr_t>(segment.stream);
     s[segment_type_s] = segment.is_large ? large_s : small_s;
-    s[segment_pool_id_s] = py::make_tuple(0, 0);
+    s[segment_pool_id_s] =
+        py::make_tuple(segment.owner_private_pool_id.first, segment.owner_private_pool_id.second);
     s[is_expandable_s] = false;
     addFrames(s, segment.context_when_allocated);
     py::list blocks;
@@ -248,11 +252,94 @@ py::dict memorySnapshot(bool include_traces) {
   return result;
 }
 
+py::dict statDict(const c10::CachingAllocator::Stat& stat) {
+  py::dict d;
+  d["current"] = stat.current;
+  d["peak"] = stat.peak;
+  d["allocated"] = stat.allocated;
+  d["freed"] = stat.freed;
+  return d;
+}
+
+py::dict durationDict(const c10::CachingAllocator::DurationStat& stat) {
+  py::dict d;
+  d["total"] = stat.total;
+  d["max"] = stat.max;
+  d["min"] = stat.min;
+  d["count"] = stat.count;
+  d["avg"] = stat.count == 0 ? 0 : stat.total / stat.count;
+  return d;
+}
+
+// The pinned host allocator's statistics, with the keys of
+// torch.cuda.host_memory_stats_as_nested_dict.
+py::dict hostMemoryStats() {
+  const at::HostStats stats = at::getHostAllocator(at::kPrivateUse1)->get_stats();
+  py::dict result;
+  result["allocations"] = statDict(stats.allocations);
+  result["allocated_bytes"] = statDict(stats.allocated_bytes);
+  result["active_requests"] = statDict(stats.active_requests);
+  result["active_bytes"] = statDict(stats.active_bytes);
+  result["num_host_alloc"] = stats.num_host_alloc;
+  result["num_host_free"] = stats.num_host_free;
+  result["host_alloc_time"] = durationDict(stats.host_alloc_time);
+  result["host_free_time"] = durationDict(stats.host_free_time);
+  return result;
+}
+
+c10::MempoolId_t poolId(std::pair<uint64_t, uint64_t> id) {
+  return {id.first, id.second};
+}
+
 } // namespace
 
 void initMemoryToolsBindings(py::module_& m) {
   m.def("_record_memory_history", &recordMemoryHistory);
-  m.def("_memory_snapshot", &memorySnapshot);
+  m.def("_memory_snapshot", &memorySnapshot, py::arg("include_traces"),
+        py::arg("pool") = std::pair<uint64_t, uint64_t>{0, 0});
+  // torch.kiln.MemPool / use_mem_pool (Note [User memory pools]).
+  m.def("_mempool_create", [](int device, bool no_split, bool use_on_oom) {
+    const c10::MempoolId_t id = alloc::newPoolId(/*user_created=*/true);
+    alloc::createOrIncrefPool(static_cast<c10::DeviceIndex>(device), id, no_split, use_on_oom);
+    return std::pair<uint64_t, uint64_t>{id.first, id.second};
+  });
+  m.def("_mempool_use_count", [](int device, std::pair<uint64_t, uint64_t> id) {
+    return alloc::poolUseCount(static_cast<c10::DeviceIndex>(device), poolId(id));
+  });
+  m.def("_mempool_is_issued", [](std::pair<uint64_t, uint64_t> id) {
+    return alloc::isIssuedPoolId(poolId(id));
+  });
+  m.def("_begin_allocate_current_thread_to_pool", [](int device, std::pair<uint64_t, uint64_t> id) {
+    alloc::beginAllocateCurrentThreadToPool(static_cast<c10::DeviceIndex>(device), poolId(id));
+  });
+  m.def("_end_allocate_current_thread_to_pool", [](int device, std::pair<uint64_t, uint64_t> id) {
+    alloc::endAllocateCurrentThreadToPool(static_cast<c10::DeviceIndex>(device), poolId(id));
+  });
+  m.def("_release_pool", [](int device, std::pair<uint64_t, uint64_t> id) {
+    alloc::releasePool(static_cast<c10::DeviceIndex>(device), poolId(id));
+  });
+  m.def("_empty_pool_cache", [](std::pair<uint64_t, uint64_t> id) {
+    alloc::emptyPoolCache(poolId(id));
+  });
+  // torch.kiln.caching_allocator_alloc / _delete / _enable.
+  m.def("_caching_allocator_raw_alloc", [](size_t size, int device, int64_t stream_id) {
+    const c10::kiln::KilnStream stream(c10::Stream(
+        c10::Stream::UNSAFE, c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device)),
+        stream_id));
+    return reinterpret_cast<uintptr_t>(
+        alloc::rawAlloc(size, static_cast<c10::DeviceIndex>(device), stream));
+  });
+  m.def("_caching_allocator_raw_delete", [](uintptr_t ptr) {
+    alloc::rawDelete(reinterpret_cast<void*>(ptr));
+  });
+  m.def("_caching_allocator_enable", &alloc::setEnabled);
+  m.def("_caching_allocator_is_enabled", &alloc::isEnabled);
+  // torch.kiln.host_memory_stats (PyTorch's caching host allocator on kiln).
+  m.def("_host_memory_stats", &hostMemoryStats);
+  m.def("_reset_accumulated_host_memory_stats",
+        [] { at::getHostAllocator(at::kPrivateUse1)->reset_accumulated_stats(); });
+  m.def("_reset_peak_host_memory_stats",
+        [] { at::getHostAllocator(at::kPrivateUse1)->reset_peak_stats(); });
   m.def("_set_memory_fraction", [](double fraction, int device) {
     alloc::setMemoryFraction(fraction, static_cast<c10::DeviceIndex>(device));
   });

@@ -172,6 +172,19 @@ PYBIND11_MODULE(_C, m) {
     }
     return messages;
   });
+  m.def("_set_sync_debug_mode", [](int mode) {
+    TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "invalid sync debug mode ", mode,
+                      ": expected 0 (default), 1 (warn) or 2 (error)");
+    c10::kiln::set_sync_debug_mode(static_cast<c10::kiln::SyncDebugMode>(mode));
+  });
+  m.def("_get_sync_debug_mode",
+        [] { return static_cast<int>(c10::kiln::get_sync_debug_mode()); });
+  m.def("_get_error_string", [](int code) {
+    // (name, description) of a runtime status code (torch.kiln.check_error).
+    const auto error = static_cast<kilnError_t>(code);
+    return py::make_tuple(std::string(kilnGetErrorName(error)),
+                          std::string(kilnGetErrorString(error)));
+  });
   m.def("_get_executed_ops", [] { return toDict(at::kiln::executedOps()); });
   m.def("_get_sync_ops", [] { return toDict(at::kiln::syncOps()); });
   m.def("_clear_op_tracking", [] {
