@@ -759,6 +759,45 @@ def s_split_group(args):
     return texts
 
 
+def s_monitored_barrier(args):
+    """dist.monitored_barrier on kccl groups (Note [kccl monitored barrier]):
+    passes when every rank arrives (default group, twice, with
+    wait_all_ranks, a sub-group, a non-member's warning), and names the
+    ranks that did not arrive, with Gloo's messages. The failing cases use
+    groups of their own (a failed monitored barrier leaves the group's
+    barrier count behind on the absent ranks, as Gloo's)."""
+    import warnings
+
+    dist.monitored_barrier()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+    pair = dist.new_group(ranks=[0, 1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.monitored_barrier(group=pair)
+    if RANK > 1:
+        assert any("monitored_barrier" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    texts = []
+    absent = WORLD - 1
+    one_missing = dist.new_group(ranks=list(range(WORLD)))
+    if RANK != absent:
+        want = (f"[Rank 0]: Rank {absent} failed to pass monitoredBarrier in 2000 ms" if RANK == 0
+                else f"Rank {RANK} successfully reached monitoredBarrier")
+        texts.append(expect_error(RuntimeError, [want], lambda: dist.monitored_barrier(
+            group=one_missing, timeout=datetime.timedelta(seconds=2))))
+    all_missing = dist.new_group(ranks=list(range(WORLD)))
+    if RANK == 0:
+        others = ", ".join(str(r) for r in range(1, WORLD))
+        want = f"[Rank 0]: Rank{'s' if WORLD > 2 else ''} {others} failed to pass monitoredBarrier in 1000 ms"
+        texts.append(expect_error(RuntimeError, [want], lambda: dist.monitored_barrier(
+            group=all_missing, timeout=datetime.timedelta(seconds=1), wait_all_ranks=True)))
+    dist.barrier()
+    for g in (pair, one_missing, all_missing):
+        if RANK in dist.get_process_group_ranks(g):
+            dist.destroy_process_group(g)
+    dist.barrier()
+    return texts
+
+
 def s_shm_names(args):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kccl-{os.getpid()}-"))
 

@@ -170,6 +170,13 @@ def test_three_ranks(pool3):
     pool3.run("dtensor_fsdp")
 
 
+@pytest.mark.parametrize("pool", ["pool2", "pool3"])
+def test_monitored_barrier_names_the_ranks_that_did_not_arrive(request, pool):
+    # pool2: kccl alone; pool3: "cpu:gloo,kiln:kccl" (kccl's barrier too).
+    results = request.getfixturevalue(pool).run("monitored_barrier")
+    assert "failed to pass monitoredBarrier" in results[0][0], results[0]
+
+
 def test_device_id_split_group_and_killed_ranks_leak_nothing():
     # init_process_group(device_id=kiln:RANK) picks kccl from the device type.
     pool = RankPool(3, env={"KCCL_TEST_DEVICE_ID": "1"})

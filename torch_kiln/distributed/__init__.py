@@ -153,6 +153,50 @@ def _add_split_methods() -> None:
     Backend.perform_nocolor_split = perform_nocolor_split
 
 
+def _kccl_backend_of(c10d, group):
+    """``group``'s kccl backend (default: the default group), or None if its
+    kiln backend is not kccl or it has none."""
+    group = c10d._get_default_group() if group is None else group
+    try:
+        backend = group._get_backend(torch.device("kiln"))
+    except RuntimeError:
+        return None
+    return backend if backend.name() == BACKEND_NAME else None
+
+
+def _wrap_monitored_barrier(c10d) -> None:
+    """torch.distributed.monitored_barrier for groups with a kccl backend
+    (Note [kccl monitored barrier] in
+    torch_kiln/csrc/distributed/MonitoredBarrierKCCL.cc): PyTorch's function
+    refuses every group but Gloo's in Python ("monitored_barrier is only
+    implemented for GLOO backend"); for a kccl group this runs kccl's
+    monitored barrier with PyTorch's argument handling (default timeout,
+    float seconds, not-in-group warning). Other groups go to PyTorch's."""
+    import torch.distributed as dist
+
+    original = c10d.monitored_barrier
+    if getattr(original, "_kccl", False):
+        return
+
+    @functools.wraps(original)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        if c10d._rank_not_in_group(group):
+            return original(group, timeout, wait_all_ranks)
+        backend = _kccl_backend_of(c10d, group)
+        if backend is None:
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = c10d._get_default_timeout(c10d.get_backend(group))
+        elif isinstance(timeout, float):
+            timeout = datetime.timedelta(seconds=timeout)
+        c10d._check_valid_timeout(timeout)
+        return backend.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    monitored_barrier._kccl = True
+    c10d.monitored_barrier = monitored_barrier
+    dist.monitored_barrier = monitored_barrier
+
+
 # Note [kccl completion thread] (ProcessGroupKCCL.cc): before the interpreter
 # finalizes, every group's completion thread ends, leaving unfinished Works.
 _exit_handler_registered = False
@@ -310,4 +354,5 @@ def register() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     _wrap_process_group_helper(c10d)
+    _wrap_monitored_barrier(c10d)
     _registered = True

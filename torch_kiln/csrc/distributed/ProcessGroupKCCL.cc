@@ -548,6 +548,8 @@ ProcessGroupKCCL::ProcessGroupKCCL(const c10::intrusive_ptr<c10d::Store>& store,
     generation = counters[group_name]++;
   }
   const std::string tag = "kccl/" + std::to_string(generation);
+  store_ = store;
+  store_tag_ = tag;
   if (layout.hosts.size() == 1) {
     shared_ = std::make_shared<KcclShared>(store, rank, size, timeout, tag);
   } else {

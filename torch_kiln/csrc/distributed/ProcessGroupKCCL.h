@@ -151,6 +151,14 @@ class ProcessGroupKCCL : public c10d::Backend {
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
 
+  // torch.distributed.monitored_barrier on a kccl group (Note [kccl
+  // monitored barrier], MonitoredBarrierKCCL.cc): Gloo's semantics through
+  // the group's Store, on the calling thread. Rank 0 raises
+  // c10::DistBackendError naming the first rank (every rank, with
+  // `wait_all_ranks`) that did not arrive within the timeout; the others
+  // raise if rank 0 does not release them.
+  void monitoredBarrier(const BarrierOptions& opts, bool wait_all_ranks = false) override;
+
   // How a new kccl backend is made (set once by torch_kiln.distributed: the
   // same Python creator c10d calls for new_group, which also joins hosts
   // through Gloo). Arguments: the new group's PrefixStore, this process's
@@ -178,6 +186,9 @@ class ProcessGroupKCCL : public c10d::Backend {
   std::shared_ptr<CrossHost> cross_; // null when every rank is on this host
   std::chrono::milliseconds timeout_;
   std::string group_name_;
+  c10::intrusive_ptr<c10d::Store> store_; // the group's PrefixStore
+  std::string store_tag_;                 // this group's key prefix in it
+  uint64_t monitored_barriers_ = 0;       // monitoredBarrier calls so far
   uint64_t seq_ = 0;     // collectives' sequence numbers (compared across ranks)
   uint64_t p2p_seq_ = 0; // send/recv's, numbered apart as in NCCL
   uint64_t order_ = 0;   // every operation, in issue order (Note [kccl issue order])
