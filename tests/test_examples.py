@@ -67,11 +67,14 @@ def test_examples_reject_bad_flags(script, args, message):
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("threads,steps", [(2, 100), (1, 30)])
+@pytest.mark.parametrize("threads,steps", [(2, 30), (1, 30),
+                                           pytest.param(2, 100, marks=pytest.mark.slow)])
 def test_char_gpt_first_steps_match_cpu(tmp_path, threads, steps):
     # At both intra-op thread counts: the weight-gradient matmuls and
     # layer_norm backward round differently at 1 and 2 threads on CPU
-    # (tests/test_intra_op_threads.py), and kiln must follow the count.
+    # (tests/test_intra_op_threads.py), and kiln must follow the count. The
+    # losses must be equal at every step, so a rounding difference shows from
+    # the first; `make test-full` also runs 100 steps at 2 threads.
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     kiln, _ = run_example("train_char_gpt.py", tmp_path, "kiln", "--max-steps", str(steps),
                           "--sample-length", "20", env=env)
