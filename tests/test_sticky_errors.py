@@ -142,3 +142,60 @@ def test_copy_to_another_device_of_a_failed_result_is_marked():
         torch.kiln.synchronize()
     with pytest.raises(RuntimeError, match="never computed.*copy from kiln:0 was skipped"):
         on_other_device.cpu()
+
+
+# Note [Results of failed kernels]: a kernel that writes all of a storage
+# without reading it (an out= argument, a random fill, a fresh output) ends
+# its mark once it has run, in stream order.
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+def test_out_write_after_a_failure_makes_the_buffer_valid_again(device, side_stream):
+    index = torch.tensor([0], device=device)
+    torch.index_select(torch.arange(4.0, device=device), 0, index)  # first call (layout check)
+    stream = torch.kiln.Stream(device) if side_stream else torch.kiln.current_stream(device)
+    with torch.kiln.stream(stream):
+        x = torch.randn(1000, device=device)
+        o = torch.empty(1000, device=device)
+        torch.index_select(x, 0, torch.arange(1000, device=device), out=o)  # first call
+        torch.index_select(x, 0, torch.full((1000,), 5000, device=device), out=o)  # fails
+        with pytest.raises(IndexError, match="index_select"):
+            stream.synchronize()
+        with pytest.raises(RuntimeError, match="never computed.*index_select"):
+            o.cpu()
+        torch.index_select(x, 0, torch.arange(1000, device=device), out=o)  # a good retry
+        doubled = o * 2  # launched while o is still marked: computed once the retry ran
+        assert torch.equal(o.cpu(), x.cpu())
+        assert torch.equal(doubled.cpu(), x.cpu() * 2)
+        torch.add(x, 1, out=o)
+        assert torch.equal(o.cpu(), x.cpu() + 1)
+
+
+@pytest.mark.parametrize("write", ["add-out", "uniform_", "normal_", "fill_"])
+def test_block_reused_while_a_mark_is_pending_holds_the_new_values(write):
+    # The kernel reading the failed result marks what it writes when it runs
+    # (on the stream, after the sleep); by then its output's block has been
+    # freed and handed to z, whose own write, later on the stream, must win.
+    from torch_kiln import _C
+
+    x = torch.randn(1000, device="kiln")
+    y = torch.index_select(x, 0, torch.full((1000,), 5000, device="kiln"))
+    with pytest.raises(IndexError, match="index_select"):
+        torch.kiln.synchronize()
+    _C._sleep(200.0)
+    p = y * 2  # marked when it runs
+    block = p.data_ptr()
+    del p
+    z = torch.empty(1000, device="kiln")
+    assert z.data_ptr() == block
+    if write == "add-out":
+        torch.add(x, 1, out=z)
+        assert torch.equal(z.cpu(), x.cpu() + 1)
+    elif write == "fill_":
+        z.fill_(3.0)
+        assert torch.equal(z.cpu(), torch.full((1000,), 3.0))
+    else:
+        getattr(z, write)()
+        values = z.cpu()
+        assert values.isfinite().all() and values.std() > 0.1
+    with pytest.raises(RuntimeError, match="never computed"):
+        y.cpu()  # the failed result itself stays unreadable

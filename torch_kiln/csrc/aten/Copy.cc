@@ -151,7 +151,7 @@ void launchDeviceCopy(const at::Tensor& dst, const at::Tensor& src, const KilnSt
   static const OpSchemaInfo& copy_info = opSchemaInfo(copy_op);
   KernelLaunch* launch = KernelLaunch::acquire();
   launch->setOperator(copy_op, copy_info);
-  launch->addArgument(c10::IValue(dst), ArgKind::Tensor, /*written=*/true);
+  launch->addArgument(c10::IValue(dst), ArgKind::Tensor, /*written=*/true, /*overwritten=*/true);
   launch->addArgument(c10::IValue(src), ArgKind::Tensor);
   launch->addArgument(c10::IValue(false), ArgKind::Other);
   launch->launch(stream);

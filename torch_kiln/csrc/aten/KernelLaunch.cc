@@ -123,7 +123,8 @@ void KernelLaunch::setOperator(const c10::OperatorHandle& op, const OpSchemaInfo
   info_ = &info;
 }
 
-void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind, bool written) {
+void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind, bool written,
+                               bool overwritten) {
   Argument argument;
   argument.kind = kind;
   argument.first = static_cast<uint32_t>(used_descriptors_);
@@ -134,6 +135,7 @@ void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind, bool writ
         TensorDescriptor& d = nextDescriptor();
         d.assign(value.toTensor());
         d.written = written;
+        d.overwritten = overwritten;
         argument.count = 1;
       }
       break;
@@ -147,6 +149,7 @@ void KernelLaunch::addArgument(const c10::IValue& value, ArgKind kind, bool writ
           d.assign(at::Tensor());
         }
         d.written = written;
+        d.overwritten = overwritten;
         argument.count++;
       }
       break;
@@ -163,6 +166,7 @@ void KernelLaunch::addOutput(const at::Tensor& output) {
   TensorDescriptor& d = nextDescriptor();
   d.assign(output);
   d.written = true;
+  d.overwritten = true;
   output_count_++;
 }
 
@@ -411,6 +415,19 @@ void KernelLaunch::propagateFailedResults() const {
   }
 }
 
+void KernelLaunch::clearOverwrittenFailedResults() const {
+  for (size_t i = 0; i < used_descriptors_; ++i) {
+    const TensorDescriptor& d = descriptors_[i];
+    if (!d.overwritten || !d.defined || d.host_tensor.defined()) {
+      continue;
+    }
+    const bool fresh = i >= first_output_ && i < first_output_ + output_count_;
+    if (fresh || d.coversStorage()) {
+      c10::kiln::clearFailedResult(d.data);
+    }
+  }
+}
+
 kilnError_t KernelLaunch::runTask(void* self) {
   auto* record = static_cast<KernelLaunch*>(self);
   record->ran_ = true;
@@ -430,15 +447,13 @@ kilnError_t KernelLaunch::runTask(void* self) {
     prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
     record->run();
-    if (record->captured_ && c10::kiln::anyFailedResults()) {
-      // A replay re-creates the graph's fresh outputs, as an allocation
-      // does in eager (Note [Results of failed kernels]): an earlier failed
-      // replay's mark on them no longer holds.
-      for (uint32_t i = record->first_output_; i < record->first_output_ + record->output_count_; ++i) {
-        if (record->descriptors_[i].defined) {
-          c10::kiln::clearFailedResult(record->descriptors_[i].data);
-        }
-      }
+    if (c10::kiln::anyFailedResults()) {
+      // What this kernel wrote whole now holds valid results, whatever was
+      // marked on that memory before: an earlier failed graph replay's
+      // outputs, an out= tensor whose earlier kernel failed, or a block
+      // reused while a skipped kernel's mark was still to come (Note
+      // [Results of failed kernels]). In stream order, so after those marks.
+      record->clearOverwrittenFailedResults();
     }
     return kilnSuccess;
   } catch (const std::exception& e) {

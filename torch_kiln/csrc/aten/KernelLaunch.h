@@ -51,6 +51,7 @@ struct TensorDescriptor {
   bool is_conj = false;
   bool is_neg = false;
   bool written = false;               // the kernel writes it (output, out= or in-place)
+  bool overwritten = false;           // ...every element, without reading it (output, out=)
 
   void assign(const at::Tensor& tensor);
   // Whether the tensor's elements cover its whole storage, contiguously.
@@ -80,8 +81,10 @@ class KernelLaunch {
   void setOperator(const c10::OperatorHandle& op, const OpSchemaInfo& info);
   // Records argument `value` of kind `kind` (tensors as descriptors; other
   // values as given: the caller substitutes generators and devices).
-  // `written`: the kernel writes the argument's tensors.
-  void addArgument(const c10::IValue& value, ArgKind kind, bool written = false);
+  // `written`: the kernel writes the argument's tensors; `overwritten`: all
+  // of their elements, without reading them (OpSchemaInfo::arg_is_overwritten).
+  void addArgument(const c10::IValue& value, ArgKind kind, bool written = false,
+                   bool overwritten = false);
   // Records a fresh kiln output (in return order; undefined allowed).
   void addOutput(const at::Tensor& output);
   // Hands the record to the runtime; it runs on `stream` and returns to the
@@ -104,6 +107,10 @@ class KernelLaunch {
   // At launch: an input without valid values makes the outputs invalid too;
   // a whole-storage overwrite (fill_, zero_, copy_) makes them valid again.
   void propagateFailedResults() const;
+  // After a successful run: the storages this kernel overwrote whole (fresh
+  // outputs; out= arguments and random fills covering their storage) hold
+  // valid results.
+  void clearOverwrittenFailedResults() const;
   // The failure reason of the first input (a tensor the kernel reads but
   // does not write) whose storage holds no valid result, if any.
   std::optional<std::string> firstFailedInput() const;

@@ -985,7 +985,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     for (size_t i = 0; i < num_args; ++i) {
       const ArgKind kind = info.arg_kinds[i];
       launch->addArgument(hostValueOf(info, (*stack)[first + i], kind, stream), kind,
-                          info.arg_is_mutable[i]);
+                          info.arg_is_mutable[i], info.arg_is_overwritten[i]);
     }
     for (const auto& output : fresh) {
       launch->addOutput(output);

@@ -169,6 +169,20 @@ bool layoutsFromCpuList(const std::string& name) {
   return names.count(name) != 0;
 }
 
+// The in-place ops that write every element of `self` without reading it.
+// (KernelLaunch also clears fill_'s and zero_'s marks at launch.)
+bool overwritesSelf(const c10::FunctionSchema& schema) {
+  static const std::unordered_set<std::string> names = {
+      "aten::fill_",      "aten::zero_",      "aten::uniform_",   "aten::normal_",
+      "aten::random_",    "aten::exponential_", "aten::geometric_", "aten::log_normal_",
+      "aten::cauchy_"};
+  if (names.count(schema.name()) != 0) {
+    return true;
+  }
+  // bernoulli_(float p): bernoulli_.Tensor reads its probabilities, not self.
+  return schema.name() == "aten::bernoulli_";
+}
+
 std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
   auto info = std::make_unique<OpSchemaInfo>();
   const auto& schema = op.schema();
@@ -180,6 +194,9 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
     const bool is_mutable = alias != nullptr && alias->isWrite();
     info->arg_is_mutable.push_back(is_mutable);
     info->arg_is_out.push_back(is_mutable && arg.kwarg_only());
+    info->arg_is_overwritten.push_back(
+        info->arg_is_out.back() ||
+        (is_mutable && info->arg_is_mutable.size() == 1 && overwritesSelf(schema)));
     info->has_mutable_args |= is_mutable;
   }
   for (const auto& ret : schema.returns()) {

@@ -50,6 +50,11 @@ struct OpSchemaInfo {
   std::vector<ArgKind> arg_kinds;
   std::vector<bool> arg_is_mutable;
   std::vector<bool> arg_is_out; // mutable and keyword-only
+  // Written whole without being read: out= arguments, and `self` of fill_,
+  // zero_ and the in-place random fills (uniform_, normal_, random_,
+  // bernoulli_, ...), which overwrite every element (Note [Results of failed
+  // kernels]).
+  std::vector<bool> arg_is_overwritten;
   std::vector<ReturnInfo> returns;
 
   bool has_mutable_args = false;

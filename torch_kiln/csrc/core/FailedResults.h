@@ -18,8 +18,13 @@
 //     ordered before it by an event); neither computes;
 //   * reading a marked storage back to the host (item(), .cpu(), printing,
 //     copies) raises a RuntimeError naming the original failure;
-//   * a storage's mark ends when its memory is allocated anew, or when it is
-//     overwritten whole (fill_, zero_, copy_ from valid data).
+//   * a storage's mark ends when its memory is allocated anew, when it is
+//     overwritten whole (fill_, zero_, copy_ from valid data), and when a
+//     kernel that wrote all of it without reading it (its fresh outputs, an
+//     out= argument covering the storage) has run successfully: in stream
+//     order, so this also ends a mark that a kernel skipped after an earlier
+//     failure left on memory the allocator had meanwhile handed to a new
+//     tensor. In-place kernels (which read what they write) keep the mark.
 // Marks are keyed by the storage's first byte. With no marks (the normal
 // case) every check is one relaxed atomic load.
 //
