@@ -293,3 +293,28 @@ def test_tracer_restores_autocast_after_an_in_process_audit():
     assert torch.amp.autocast.__init__ is before
     # (The lambda's file, this test file, is read too: only the run's findings here.)
     assert [f.category for f in report.findings if f.source == "runtime"] == ["dtype-change"]
+
+
+def test_pytorchs_own_float64_is_not_a_dtype_change(tmp_path):
+    # GradScaler keeps its scale's reciprocal in float64 (torch/amp/
+    # grad_scaler.py): that is PyTorch's arithmetic, not the program's data.
+    script = tmp_path / "scaler.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "model = nn.Linear(8, 2).cuda()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scaler = torch.amp.GradScaler('cuda')\n"
+        "x = torch.randn(16, 8, device='cuda')\n"
+        "for _ in range(2):\n"
+        "    with torch.autocast('cuda', dtype=torch.float16):\n"
+        "        loss = model(x).square().mean()\n"
+        "    opt.zero_grad()\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(opt)\n"
+        "    scaler.update()\n"
+        "w = torch.ones(2, device='cuda', dtype=torch.float64)\n"  # the program's own float64
+        "print('done')\n")
+    result, report = run_audit_json(tmp_path, "--map-cuda", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    changes = [f["line"] for f in report["findings"] if f["category"] == "dtype-change"]
+    assert changes == [13], report["findings"]

@@ -17,7 +17,8 @@ and:
   "unsupported on kiln" from "fails on CPU too";
 - **dtype changes**: a call that puts a float64 (or complex128) tensor on
   kiln from inputs that had none there ("float64 crept in": a NumPy array, a
-  Python float list, ``.double()``), and an ``autocast`` region that PyTorch
+  Python float list, ``.double()``; not PyTorch's own calls, such as
+  GradScaler's float64 reciprocal), and an ``autocast`` region that PyTorch
   disabled because kiln's autocast does not support the dtype asked for
   (kiln's are float16, bfloat16 and float32);
 - with ``map_cuda=True``, rewrites CUDA devices to kiln
@@ -55,6 +56,9 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+# PyTorch's own Python code (its calls are not the program's).
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 from torch_kiln.audit import catalog
 from torch_kiln.audit.findings import Finding
@@ -266,7 +270,12 @@ class RunTracer:
                    cpu_error=cpu_error)
 
     def _record_wide(self, func: Callable, dtype: torch.dtype) -> None:
-        file, line = self.user_site(sys._getframe(2))
+        caller = sys._getframe(2)
+        if caller.f_code.co_filename.startswith(_TORCH_DIR):
+            # PyTorch's own wide arithmetic (GradScaler keeps its scale's
+            # reciprocal in float64): not the program's data.
+            return
+        file, line = self.user_site(caller)
         name = _op_name(func)
         dtype_name = str(dtype).replace("torch.", "")
         self._site("dtype-change", file, line, f"{name} {dtype_name}", op=name,
