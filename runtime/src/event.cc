@@ -263,19 +263,26 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
     Event* ev = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
     uint64_t gen;
+    bool complete = false;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
       gen = ev->latest_gen;
+      if (gen == 0) return kilnSuccess;  // never recorded
       const kiln::PendingRecords::Record* record = ev->pending.Find(gen);
-      if (gen == 0 || record == nullptr) return kilnSuccess;
-      activity.SetStream(record->stream);
-      // See Note [Blocking calls inside tasks].
-      if (record->stream == kiln::t_running_stream)
-        return Fail(kilnErrorNotPermitted,
-                    "event %p was recorded on the stream of the calling task, behind it; "
-                    "waiting for it from inside that task would never end",
-                    static_cast<void*>(event));
+      complete = record == nullptr;
+      if (!complete) {
+        activity.SetStream(record->stream);
+        // See Note [Blocking calls inside tasks].
+        if (record->stream == kiln::t_running_stream)
+          return Fail(kilnErrorNotPermitted,
+                      "event %p was recorded on the stream of the calling task, behind it; "
+                      "waiting for it from inside that task would never end",
+                      static_cast<void*>(event));
+      }
     }
+    // Already complete (the record may have run before this call): a failure
+    // it was recorded behind is still reported, once, as after a wait.
+    if (complete) return kiln::TakeFailureBehind(ev);
     auto done = [&] {
       std::lock_guard<std::mutex> lock(ev->mu);
       return !ev->IsPendingLocked(gen);
