@@ -54,7 +54,12 @@ _COMPILE_STATS = {"traces": 0, "libraries_loaded": 0}  # per process, for tests
 # Appended to part 1's flags (-O3 ...): -O2 with the vectoriser's dynamic cost
 # model vectorises the same row loops; -O3 takes about 5x longer to build a
 # generated kernel (hundreds of small loops) for no measured gain.
-CFLAGS = ("-O2", "-fvect-cost-model=dynamic")
+# -ffp-contract=off: g++ contracts a * b + c into one fused multiply-add by
+# default in C++ (even with -std=c++17), which rounds once where the
+# kernel's two ops round twice; off, every kl op rounds as written, so fused
+# and unfused lowerings agree bit for bit (Note [kl elementwise fusion]) and
+# agree with the simulator's op-by-op PyTorch math.
+CFLAGS = ("-O2", "-fvect-cost-model=dynamic", "-ffp-contract=off")
 
 
 def _kl_library():

@@ -38,6 +38,8 @@ SIG_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16
              torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
 _HALF = (torch.bfloat16, torch.float16)
 FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
+INTERVAL_MASKS = True  # Note [kl interval masks]; off only to measure it
+HOIST_INVARIANT = True  # Note [kl program-invariant ops]; off only to measure it
 
 PRELUDE = r"""
 #include <algorithm>
@@ -148,6 +150,21 @@ inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t
   *hi = std::min(*hi, std::max<int64_t>(std::min(b, n), 0));
   if (*hi < *lo) *hi = *lo;
 }
+// Narrows [*lo, *hi) to the i with j0 + c * i < 0 (an interval: the
+// condition is monotonic in i). Note [kl interval masks].
+inline int64_t kl_floor_div(int64_t a, int64_t b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+inline void kl_lt_zero(int64_t j0, int64_t c, int64_t* lo, int64_t* hi) {
+  if (c == 0) {
+    if (j0 >= 0) *hi = *lo;
+  } else if (c > 0) {  // i < -j0 / c  <=>  i <= floor((-j0 - 1) / c)
+    *hi = std::min(*hi, kl_floor_div(-j0 - 1, c) + 1);
+  } else {  // i * (-c) > j0  <=>  i >= floor(j0 / -c) + 1
+    *lo = std::max(*lo, kl_floor_div(j0, -c) + 1);
+  }
+  if (*hi < *lo) *hi = *lo;
+}
 [[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
     const char* where, int64_t index, int dim, int64_t size) {
   throw kiln::Error(std::string(where) + ": index " + std::to_string(index) +
@@ -228,6 +245,7 @@ class _Emitter:
         self.arena = 0
         self.scalars: list[ir.Value] = []
         self.counter = 0
+        self.skip: set[int] = set()  # id()s of ops not to emit in the program body
         for op in ir.walk(trace.block):
             v = op.result
             if v is None:
@@ -237,20 +255,35 @@ class _Emitter:
             elif needs_storage(v):
                 self.buffers[v.id] = (v, self.arena)
         self.defs = {op.result.id: op for op in ir.walk(trace.block) if op.result is not None}
-        self.inlined = self._choose_inlined() if FUSE_ELEMENTWISE else set()
+        self.inlined, self.deferred = self._choose_inlined() if FUSE_ELEMENTWISE else (set(), set())
         for vid in self.inlined:
             del self.buffers[vid]
+        self.intervals, self.unused = self._interval_masks() if INTERVAL_MASKS else ({}, set())
+        for vid in self.unused:
+            self.buffers.pop(vid, None)
         for vid, (v, _) in list(self.buffers.items()):
             self.buffers[vid] = (v, self.arena)
             self.arena += (v.numel * v.dtype.itemsize + 63) // 64 * 64
 
-    def _choose_inlined(self) -> set[int]:
+    def _choose_inlined(self) -> tuple[set[int], set[int]]:
         """Note [kl elementwise fusion]: a vectorisable float32 elementwise
-        tile used once, by a vectorisable elementwise op of the same shape
-        later in the same block with no kl.range loop in between, is not
-        stored: its expression is computed inside its consumer's vector loop
-        (one pass instead of two). Loop-carried tiles and tiles viewed by an
-        alias keep their buffers."""
+        tile used once, later in the same block with no kl.range loop in
+        between, is not computed on its own:
+
+        - consumed by a vectorisable elementwise op of the same shape, or by
+          a float32 sum/max/min over the last axis, it is not stored: its
+          expression is computed inside the consumer's vector loop (one pass
+          instead of two; "inlined");
+        - stored by kl.store to a float32 tensor, it is computed straight
+          into the tensor's row when the row is contiguous, in bounds and
+          enabled throughout, else into its buffer and then stored as before
+          ("deferred": it keeps its buffer for that case).
+
+        Both are bit-identical to the unfused code: each element goes
+        through the same vector instructions (the tail through the same
+        partial loads), and a reduction combines the same values in the same
+        order. Loop-carried tiles and tiles viewed by an alias keep their
+        buffers. Returns (inlined ids, deferred ids)."""
         uses: dict[int, int] = {}
         consumer: dict[int, tuple] = {}
         keep: set[int] = set()
@@ -276,6 +309,7 @@ class _Emitter:
                     visit(loop.body)
         visit(self.trace.block)
         inlined: set[int] = set()
+        deferred: set[int] = set()
         for op, block, pos in placed:
             v = op.result
             if v.id not in self.buffers or v.id in keep or uses.get(v.id) != 1:
@@ -283,14 +317,94 @@ class _Emitter:
             if not self._vectorisable(op):
                 continue
             cop, cblock, cpos = consumer[v.id]
-            if cblock is not block or cop.result is None or cop.result.shape != v.shape:
+            if cblock is not block or any(o.kind == "for" for o in block.ops[pos + 1:cpos]):
                 continue
-            if not self._vectorisable(cop):
+            if cop.kind == "store":
+                if (cop.operands[2] is v and tuple(cop.attrs["shape"]) == v.shape
+                        and self.trace.tensor_specs[cop.operands[0]][0] == torch.float32):
+                    deferred.add(v.id)
+            elif cop.kind in ("sum", "max", "min"):
+                if self._vector_reduction(cop):
+                    inlined.add(v.id)
+            elif (cop.result is not None and cop.result.shape == v.shape
+                  and self._vectorisable(cop)):
+                inlined.add(v.id)
+        return inlined, deferred
+
+    _CONDITIONS = ("lt", "le", "gt", "ge")
+
+    def _interval_masks(self) -> tuple[dict, set[int]]:
+        """Note [kl interval masks]: a bool mask made only of ``&`` of
+        comparisons (< <= > >=) between int64 index expressions (affine
+        index tiles, broadcast tiles, scalars, numbers), as ragged-edge masks
+        are (``(rows[:, None] < n_rows) & (cols[None, :] < n_cols)``), is
+        along any row of a load or store one interval of the row's inner
+        index: each comparison is monotonic in it. A row load/store given such
+        a mask computes that interval from the comparisons' operands
+        (kl_lt_zero) instead of reading a bool tile. A mask tile (and the
+        comparisons under it) used by nothing else is then never computed.
+
+        Returns ({mask id: [(kind, lhs, rhs), ...]}, ids of values that need
+        not be computed)."""
+        conditions: dict[int, list] = {}
+
+        def index_like(o):
+            if isinstance(o, bool):
+                return False
+            if isinstance(o, int):
+                return True
+            return (isinstance(o, ir.Value) and o.dtype == torch.int64
+                    and (o.shape == () or o.affine is not None or
+                         (o.alias_of is not None and o.alias_of.shape == ())))
+
+        for op in ir.walk(self.trace.block):
+            v = op.result
+            if v is None or v.dtype != torch.bool or v.shape == ():
                 continue
-            if any(o.kind == "for" for o in block.ops[pos + 1:cpos]):
+            if op.kind in self._CONDITIONS and op.attrs.get("common") == torch.int64:
+                a, b = op.operands
+                if index_like(a) and index_like(b):
+                    conditions[v.id] = [(op.kind, a, b)]
+            elif op.kind == "and" and op.attrs.get("common") == torch.bool:
+                a, b = op.operands
+                if (isinstance(a, ir.Value) and isinstance(b, ir.Value) and a.id in conditions
+                        and b.id in conditions):
+                    conditions[v.id] = conditions[a.id] + conditions[b.id]
+        # which masks every use of is a row access's mask (or an unused mask above)
+        uses: dict[int, list] = {}
+        for op in ir.walk(self.trace.block):
+            for pos, o in enumerate(op.operands):
+                if isinstance(o, ir.Value):
+                    uses.setdefault(o.id, []).append((op, pos))
+            if op.kind == "for":
+                for outer, inner in op.attrs["loop"].carried:
+                    uses.setdefault(inner.id, []).append((op, -1))
+                    uses.setdefault(outer.id, []).append((op, -1))
+        unused: set[int] = set()
+        for op in reversed(list(ir.walk(self.trace.block))):
+            v = op.result
+            if v is None or v.id not in conditions or v.id in self.inlined:
                 continue
-            inlined.add(v.id)
-        return inlined
+            if all((u.kind in ("load", "store") and pos == 1 and self._row_access(u))
+                   or (u.result is not None and u.result.id in unused)
+                   for u, pos in uses.get(v.id, [])):
+                unused.add(v.id)
+        return conditions, unused
+
+    def _row_access(self, op) -> bool:
+        """Whether load/store ``op`` takes the row path (_access_rows)."""
+        shape = op.result.shape if op.result is not None else op.attrs["shape"]
+        if not shape:
+            return False
+        outer = [f"o{k}" for k in range(len(shape) - 1)]
+        return all(self._linear(ix, outer, "c") is not None for ix in op.operands[3:])
+
+    @staticmethod
+    def _vector_reduction(op) -> bool:
+        """Whether sum/max/min ``op`` takes the vectorised float32 last-axis path."""
+        x = op.operands[0]
+        return (x.dtype == torch.float32 and op.attrs["axis"] == len(x.shape) - 1
+                and x.affine is None and not (x.alias_of is not None and x.alias_of.shape == ()))
 
     def line(self, text: str) -> None:
         self.lines.append("  " * self.indent + text)
@@ -364,8 +478,40 @@ class _Emitter:
             f"{v.name}[{flat}] = {convert(expr_fn(idx), compute_dtype, v.dtype)};"))
 
     # ----------------------------------------------------------------- ops
+    def program_invariant(self) -> list[ir.Op]:
+        """Note [kl program-invariant ops]: the top-level ops whose results
+        are the same in every program (no program_id in their operands, no
+        load from a tensor the kernel writes, no store or loop): the
+        lowering runs them once per parallel_for chunk, before the program
+        loop, instead of once per program (RMSNorm's weight row, say).
+        Loop-carried tiles (and what reads them) are not invariant: a loop
+        rewrites them in each program."""
+        variant: set[int] = set()
+        for op in ir.walk(self.trace.block):  # loop-carried tiles change in each program
+            if op.kind == "for":
+                for outer, _ in op.attrs["loop"].carried:
+                    variant.update((outer.id, (outer.alias_of or outer).id))
+        hoisted: list[ir.Op] = []
+        for op in self.trace.block.ops:
+            if op.result is not None and op.result.id in variant:
+                continue
+            depends = any(isinstance(o, ir.Value) and (o.alias_of or o).id in variant
+                          for o in op.operands)
+            if op.kind == "load" and op.operands[0] in self.trace.written:
+                depends = True
+            if op.result is None or op.kind in ("for", "program_id") or depends:
+                if op.result is not None:
+                    variant.add(op.result.id)
+                continue
+            hoisted.append(op)
+        return hoisted if HOIST_INVARIANT else []
+
     def emit_block(self, block: ir.Block) -> None:
         for op in block.ops:
+            if op.result is not None and op.result.id in self.unused:
+                continue  # a mask no one reads (Note [kl interval masks])
+            if id(op) in self.skip:
+                continue  # emitted before the program loop (Note [kl program-invariant ops])
             handler = getattr(self, "op_" + op.kind, None)
             if handler is not None:
                 handler(op)
@@ -467,29 +613,34 @@ class _Emitter:
             return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
         return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
 
+    def _vec_row(self, op, idx, dest, n) -> None:
+        """Emits row ``idx`` (outer indices) of vectorisable ``op``, ``n``
+        elements, stored from the pointer expression ``dest`` on."""
+        ii = self.fresh("c")
+        full = idx + [ii]
+        count = f"({n} - {ii})"
+        self.line(f"int64_t {ii} = 0;")
+        self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
+                  f"{self._vec_expr(op, full, None)}.store({dest} + {ii});")
+        # the tail: partial loads and stores (KlVec::loadu(p, count)), so
+        # it rounds like the body
+        self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({dest} + {ii}, "
+                  f"{count});")
+
     def op_vector(self, op):
         v = op.result
         n = v.shape[-1]
         outer = list(v.shape[:-1])
 
         def body(idx, flat):
-            ii = self.fresh("c")
-            full = idx + [ii]
             row_flat = f"{flat} * {n}" if outer else "0"
-            count = f"({n} - {ii})"
-            self.line(f"int64_t {ii} = 0;")
-            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
-                      f"{self._vec_expr(op, full, None)}.store({v.name} + {row_flat} + {ii});")
-            # the tail: partial loads and stores (KlVec::loadu(p, count)), so
-            # it rounds like the body
-            self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({v.name} + "
-                      f"{row_flat} + {ii}, {count});")
+            self._vec_row(op, idx, f"{v.name} + {row_flat}", n)
         self.loops(outer, body)
 
     def op_elementwise(self, op):
         v, kind = op.result, op.kind
         ops = op.operands
-        if v is not None and v.id in self.inlined:
+        if v is not None and (v.id in self.inlined or v.id in self.deferred):
             return  # computed in its consumer (Note [kl elementwise fusion])
         if self._vectorisable(op):
             self.op_vector(op)
@@ -564,26 +715,38 @@ class _Emitter:
         n = x.shape[axis]
         out_shape = [x.shape[d] for d in outer]
 
-        if (x.dtype == torch.float32 and axis == len(x.shape) - 1 and x.affine is None
-                and not (x.alias_of is not None and x.alias_of.shape == ())):
+        if self._vector_reduction(op):
             vcombine = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
                         "min": "at::vec::minimum({a}, {b})"}[kind]
+            fused = self.defs[x.id] if x.id in self.inlined else None  # Note [kl elementwise fusion]
 
             def vbody(idx, flat):
                 r = self.fresh("r")
                 vacc, lanes, total = self.fresh("vacc"), self.fresh("lanes"), self.fresh("total")
+                step = (self._vec_expr(fused, idx + [r], None) if fused is not None
+                        else f"KlVec::loadu(&{self.elem(x, idx + [r])})")
                 self.line(f"KlVec {vacc}({init});")
                 self.line(f"int64_t {r} = 0;")
                 self.line(f"for (; {r} + KlVec::size() <= {n}; {r} += KlVec::size()) {vacc} = "
-                          + vcombine.format(a=vacc, b=f"KlVec::loadu(&{self.elem(x, idx + [r])})")
-                          + ";")
+                          + vcombine.format(a=vacc, b=step) + ";")
                 self.line(f"float {lanes}[KlVec::size()];")
                 self.line(f"{vacc}.store({lanes});")
                 self.line(f"float {total} = {lanes}[0];")
                 self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
                           + combine.format(a=total, b=f"{lanes}[l]") + ";")
-                self.line(f"for (; {r} < {n}; ++{r}) {total} = "
-                          + combine.format(a=total, b=self.elem(x, idx + [r])) + ";")
+                if fused is None:
+                    self.line(f"for (; {r} < {n}; ++{r}) {total} = "
+                              + combine.format(a=total, b=self.elem(x, idx + [r])) + ";")
+                else:
+                    # the tail as the unfused producer computes it (partial
+                    # loads), then combined element by element in order
+                    tail, count = self.fresh("tail"), f"({n} - {r})"
+                    self.line(f"if ({r} < {n}) {{")
+                    self.line(f"  float {tail}[KlVec::size()];")
+                    self.line(f"  {self._vec_expr(fused, idx + [r], count)}.store({tail}, {count});")
+                    self.line(f"  for (int l = 0; l < {count}; ++l) {total} = "
+                              + combine.format(a=total, b=f"{tail}[l]") + ";")
+                    self.line("}")
                 target = v.name if v.shape == () else f"{v.name}[{flat}]"
                 self.line(f"{target} = {convert(total, acc_dtype, v.dtype)};")
             self.loops(out_shape, vbody)
@@ -713,6 +876,10 @@ class _Emitter:
         shape = op.result.shape if op.result is not None else op.attrs["shape"]
         if not shape:
             return False
+        # Note [kl interval masks]: the enabled elements of a row as [lo, hi)
+        interval = self.intervals.get(mask.id) if isinstance(mask, ir.Value) else None
+        if interval is not None:
+            mask = None
         spec_dtype = self.trace.tensor_specs[x][0]
         ct = CTYPE[spec_dtype]
         n = shape[-1]
@@ -749,7 +916,21 @@ class _Emitter:
             for d, (j, c) in enumerate(zip(js, cs)):
                 self.line(f"kl_in_bounds({j}, {c}, {x}_sizes[{d}], {n}, &{lo}, &{hi});")
             enabled = "true" if mask is None else self.elem(mask, idx + [inner])
-            self.line(f"if (__builtin_expect({lo} > 0 || {hi} < {n}, 0)) {{")
+            if interval is not None:
+                mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
+                self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
+                for cmp, lhs, rhs in interval:
+                    (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
+                    if cmp in ("gt", "ge"):  # a > b  <=>  b < a
+                        (la, lc), (ra, rc) = (ra, rc), (la, lc)
+                    # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
+                    j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
+                    self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+                enabled = f"({inner} >= {mlo} && {inner} < {mhi})"
+                out_of = f"({mlo} < {lo} || {mhi} > {hi})"
+                self.line(f"if (__builtin_expect({mlo} < {mhi} && {out_of}, 0)) {{")
+            else:
+                self.line(f"if (__builtin_expect({lo} > 0 || {hi} < {n}, 0)) {{")
             self.line(f"  for (int64_t {inner} = 0; {inner} < {n}; ++{inner}) {{")
             self.line(f"    if (({inner} >= {lo} && {inner} < {hi}) || !{enabled}) continue;")
             for d, (j, c) in enumerate(zip(js, cs)):
@@ -759,84 +940,121 @@ class _Emitter:
                           f"{x}_sizes[{d}]);")
             self.line("  }")
             self.line("}")
+            if interval is not None:  # only [mlo, mhi) is accessed; it is in bounds
+                self.line(f"{lo} = {mlo}; {hi} = std::max({mlo}, {mhi});")
             const = "" if written else "const "
             self.line(f"{const}{ct}* __restrict {row} = {x}_data + ({off});")
-            target = None
-            if kind == "load":
-                v = op.result
-                target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
-                    f"{v.name}[{inner}]"
-                other = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
-                    self._element_literal(third, spec_dtype)
-            else:
-                value = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
-                    self._element_literal(third, spec_dtype)
-            if kind == "load":
-                if third is None or not isinstance(third, ir.Value):
-                    scalar_other = other
-                elif self._broadcast_row(third):
-                    scalar_other = self.elem(third, idx + ["0"])
+
+            def finish():
+                target = None
+                if kind == "load":
+                    v = op.result
+                    target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
+                        f"{v.name}[{inner}]"
+                    other = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                        self._element_literal(third, spec_dtype)
                 else:
-                    scalar_other = None
-                if scalar_other is not None and self._row_helper(
-                        op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, scalar_other):
-                    return
-            elif self._row_helper(op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, value):
-                return
-            if kind == "load":
-                # outside [lo, hi) every element is masked off (checked above)
-                self.line(f"for (int64_t {inner} = 0; {inner} < {lo}; ++{inner}) "
-                          f"{target} = {other};")
-                self.line(f"for (int64_t {inner} = {hi}; {inner} < {n}; ++{inner}) "
-                          f"{target} = {other};")
-            every = None
-            if mask is not None:
-                # a row whose enabled elements are all of [lo, hi) (inside a
-                # ragged tile) takes the loop without the mask
-                every = self.fresh("every")
-                mshape = mask.shape
-                if not mshape or mshape[-1] == 1:
-                    self.line(f"const bool {every} = {self.elem(mask, idx + ['0'])};")
-                elif mask.affine is None and not (mask.alias_of is not None and
-                                                  mask.alias_of.shape == ()):
-                    # the row's mask bytes are contiguous: all true = no 0 byte
-                    self.line(f"const bool {every} = {hi} <= {lo} || std::memchr("
-                              f"&{self.elem(mask, idx + [lo])}, 0, {hi} - {lo}) == nullptr;")
-                else:
-                    count = self.fresh("enabled")
-                    self.line(f"int64_t {count} = 0;")
-                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
-                              f"{count} += {self.elem(mask, idx + [inner])};")
-                    self.line(f"const bool {every} = {count} == {hi} - {lo};")
-            for unit in (True, False):
-                address = f"{row}[{inner}]" if unit else f"{row}[{inner} * {stp}]"
-                for masked in ((False,) if mask is None else (False, True)):
-                    conds = ([f"{stp} == 1"] if unit else [f"{stp} != 1"])
-                    if mask is not None:
-                        conds.append(f"!{every}" if masked else every)
-                    self.line(f"if ({' && '.join(conds)}) {{")
-                    self.indent += 1
-                    self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) {{")
-                    self.indent += 1
-                    if kind == "load":
-                        if not masked:
-                            self.line(f"{target} = {address};")
-                        else:
-                            # in bounds: read unconditionally, then select
-                            t = self.fresh("t")
-                            self.line(f"const {ct} {t} = {address};")
-                            self.line(f"{target} = kl_select<{ct}>("
-                                      f"{self.elem(mask, idx + [inner])}, {t}, {other});")
+                    value = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
+                        self._element_literal(third, spec_dtype)
+                if kind == "load":
+                    if third is None or not isinstance(third, ir.Value):
+                        scalar_other = other
+                    elif self._broadcast_row(third):
+                        scalar_other = self.elem(third, idx + ["0"])
                     else:
-                        if not masked:
-                            self.line(f"{address} = {value};")
+                        scalar_other = None
+                    if scalar_other is not None and self._row_helper(
+                            op, mask, kind, idx, flat, inner, row, stp, lo, hi, n, ct,
+                            scalar_other):
+                        return
+                elif self._row_helper(op, mask, kind, idx, flat, inner, row, stp, lo, hi, n, ct,
+                                      value):
+                    return
+                if kind == "load":
+                    # outside [lo, hi) every element is masked off (checked above)
+                    self.line(f"for (int64_t {inner} = 0; {inner} < {lo}; ++{inner}) "
+                              f"{target} = {other};")
+                    self.line(f"for (int64_t {inner} = {hi}; {inner} < {n}; ++{inner}) "
+                              f"{target} = {other};")
+                every = None
+                if mask is not None:
+                    # a row whose enabled elements are all of [lo, hi) (inside a
+                    # ragged tile) takes the loop without the mask
+                    every = self.fresh("every")
+                    mshape = mask.shape
+                    if not mshape or mshape[-1] == 1:
+                        self.line(f"const bool {every} = {self.elem(mask, idx + ['0'])};")
+                    elif mask.affine is None and not (mask.alias_of is not None and
+                                                      mask.alias_of.shape == ()):
+                        # the row's mask bytes are contiguous: all true = no 0 byte
+                        self.line(f"const bool {every} = {hi} <= {lo} || std::memchr("
+                                  f"&{self.elem(mask, idx + [lo])}, 0, {hi} - {lo}) == nullptr;")
+                    else:
+                        count = self.fresh("enabled")
+                        self.line(f"int64_t {count} = 0;")
+                        self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
+                                  f"{count} += {self.elem(mask, idx + [inner])};")
+                        self.line(f"const bool {every} = {count} == {hi} - {lo};")
+                for unit in (True, False):
+                    address = f"{row}[{inner}]" if unit else f"{row}[{inner} * {stp}]"
+                    for masked in ((False,) if mask is None else (False, True)):
+                        conds = ([f"{stp} == 1"] if unit else [f"{stp} != 1"])
+                        if mask is not None:
+                            conds.append(f"!{every}" if masked else every)
+                        self.line(f"if ({' && '.join(conds)}) {{")
+                        self.indent += 1
+                        self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) {{")
+                        self.indent += 1
+                        if kind == "load":
+                            if not masked:
+                                self.line(f"{target} = {address};")
+                            else:
+                                # in bounds: read unconditionally, then select
+                                t = self.fresh("t")
+                                self.line(f"const {ct} {t} = {address};")
+                                self.line(f"{target} = kl_select<{ct}>("
+                                          f"{self.elem(mask, idx + [inner])}, {t}, {other});")
                         else:
-                            self.line(f"if ({self.elem(mask, idx + [inner])}) {address} = "
-                                      f"{value};")
-                    self.indent -= 1
-                    self.line("}")
-                    self.indent -= 1
-                    self.line("}")
+                            if not masked:
+                                self.line(f"{address} = {value};")
+                            else:
+                                self.line(f"if ({self.elem(mask, idx + [inner])}) {address} = "
+                                          f"{value};")
+                        self.indent -= 1
+                        self.line("}")
+                        self.indent -= 1
+                        self.line("}")
+
+            deferred = self.defs[third.id] if (kind == "store" and isinstance(third, ir.Value)
+                                               and third.id in self.deferred) else None
+            if deferred is None:
+                finish()
+                return
+            # Note [kl elementwise fusion]: the stored value is computed
+            # straight into a contiguous, in-bounds, enabled row; otherwise
+            # into its buffer, then stored as usual.
+            fast = [f"{stp} == 1", f"{lo} == 0", f"{hi} == {n}"]
+            if mask is None:
+                pass
+            elif self._contiguous_row(mask, n):
+                fast.append(f"std::memchr(&{self.elem(mask, idx + ['0'])}, 0, {n}) == nullptr")
+            elif self._broadcast_row(mask):
+                fast.append(self.elem(mask, idx + ["0"]))
+            else:
+                fast = None
+            if fast is not None:
+                self.line(f"if ({' && '.join(fast)}) {{")
+                self.indent += 1
+                self._vec_row(deferred, idx, row, n)
+                self.indent -= 1
+                self.line("} else {")
+                self.indent += 1
+            self._vec_row(deferred, idx, f"{third.name} + {flat} * {n}" if len(shape) > 1
+                          else third.name, n)
+            finish()
+            if fast is not None:
+                self.indent -= 1
+                self.line("}")
         self.loops(list(shape[:-1]), body)
         return True
 
@@ -850,10 +1068,12 @@ class _Emitter:
     def _broadcast_row(v) -> bool:
         return isinstance(v, ir.Value) and (not v.shape or v.shape[-1] == 1)
 
-    def _row_helper(self, op, kind, idx, flat, inner, row, stp, lo, hi, n, ct, third) -> bool:
-        """A row through kl_load_row / kl_store_row when the mask (and the
-        stored value) are contiguous rows or broadcast along the row."""
-        x, mask, value = op.operands[0], op.operands[1], op.operands[2]
+    def _row_helper(self, op, mask, kind, idx, flat, inner, row, stp, lo, hi, n, ct,
+                    third) -> bool:
+        """A row through kl_load_row / kl_store_row when the mask (None: all
+        of [lo, hi) enabled) and the stored value are contiguous rows or
+        broadcast along the row."""
+        value = op.operands[2]
         if mask is None:
             mask_ptr, enabled = "nullptr", "true"
         elif self._contiguous_row(mask, n):
@@ -888,6 +1108,9 @@ class _Emitter:
     def op_store(self, op):
         if self._access_rows(op, "store"):
             return
+        value = op.operands[2]
+        if isinstance(value, ir.Value) and value.id in self.deferred:
+            self.op_vector(self.defs[value.id])  # not a row store: computed into its buffer
         self._access(op, "store")
 
     def op_for(self, op):
@@ -912,6 +1135,12 @@ class _Emitter:
 def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
     """(C++ source, part-1 signature) of the kernel ``kernel_name``."""
     e = _Emitter(trace, kernel_name)
+    hoisted = e.program_invariant()
+    e.indent = 2
+    e.emit_block(ir.Block(hoisted))
+    invariant_lines, e.lines = e.lines, []
+    e.skip = {id(op) for op in hoisted}
+    hoisted_scalars = {op.result.id for op in hoisted if op.result.shape == ()}
     e.indent = 3
     e.emit_block(trace.block)
     program_lines = e.lines
@@ -956,13 +1185,17 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
     for v, offset in e.buffers.values():
         out.append(f"    {CTYPE[v.dtype]}* __restrict {v.name} = reinterpret_cast<"
                    f"{CTYPE[v.dtype]}*>(kl_arena + {offset});")
+    for v in e.scalars:
+        if v.id in hoisted_scalars:
+            out.append(f"    {CTYPE[v.dtype]} {v.name}{{}};")
+    out += invariant_lines
     out.append("    for (int64_t kl_program = kl_begin; kl_program < kl_end; ++kl_program) {")
     out.append("      const int64_t kl_pid0 = kl_program % kl_grid0;")
     out.append("      const int64_t kl_pid1 = (kl_program / kl_grid0) % kl_grid1;")
     out.append("      const int64_t kl_pid2 = kl_program / (kl_grid0 * kl_grid1);")
     out.append("      (void)kl_pid0; (void)kl_pid1; (void)kl_pid2;")
     for v in e.scalars:
-        if v.id in e.buffers:
+        if v.id in e.buffers or v.id in hoisted_scalars:
             continue
         out.append(f"      {CTYPE[v.dtype]} {v.name}{{}};")
     out += program_lines

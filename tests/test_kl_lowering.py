@@ -1,0 +1,111 @@
+"""The kl lowering's optimisations never change a result: each example kernel
+(examples/kernels/kl_*.py) gives bit-identical outputs with every
+optimisation of torch_kiln/kl/lowering.py on (the default) and off, on
+ragged shapes (masked edges), full tiles, float32 and bfloat16, kiln:0 and
+kiln:1:
+
+- elementwise fusion, into elementwise ops, last-axis reductions and stores
+  (Note [kl elementwise fusion]);
+- masks as row intervals (Note [kl interval masks]);
+- program-invariant ops run once per chunk (Note [kl program-invariant ops]).
+
+Each configuration builds its own kernel object (``kl.jit(kernel.fn)``):
+a specialisation is built once per kernel object and process.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import torch_kiln.kl as kl
+from torch_kiln.kl import lowering
+from kl_helpers import private_kernel_cache  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from examples.kernels import kl_attention, kl_matmul, kl_rms_norm, kl_softmax  # noqa: E402
+
+SWITCHES = ("FUSE_ELEMENTWISE", "INTERVAL_MASKS", "HOIST_INVARIANT")
+
+
+@pytest.fixture(autouse=True)
+def _cache(private_kernel_cache):  # noqa: F811
+    yield
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def run_with(monkeypatch, module, name, call, on: dict):
+    """``call()`` with module.<name> a fresh kernel object lowered with ``on``."""
+    for switch, value in on.items():
+        monkeypatch.setattr(lowering, switch, value)
+    monkeypatch.setattr(module, name, kl.jit(getattr(module, name).fn))
+    out = call()
+    torch.kiln.synchronize()
+    return out.cpu()
+
+
+CASES = {
+    # name: (module, kernel attribute, inputs(dtype), call(inputs))
+    "rms_norm": (kl_rms_norm, "rms_norm_kernel",
+                 lambda dt: (randn(37, 100, dtype=dt), randn(100, dtype=dt, seed=1)),
+                 lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6)),
+    "rms_norm_full_tiles": (kl_rms_norm, "rms_norm_kernel",
+                            lambda dt: (randn(64, 128, dtype=dt), randn(128, dtype=dt, seed=1)),
+                            lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6)),
+    "softmax": (kl_softmax, "softmax_kernel", lambda dt: (randn(37, 100, dtype=dt) * 5,),
+                kl_softmax.softmax),
+    "softmax_full_tiles": (kl_softmax, "softmax_kernel",
+                           lambda dt: (randn(16, 256, dtype=dt) * 5,), kl_softmax.softmax),
+    "matmul_gelu": (kl_matmul, "matmul_bias_act_kernel",
+                    lambda dt: (randn(70, 50, dtype=dt), randn(50, 90, dtype=dt, seed=1),
+                                randn(90, dtype=dt, seed=2)),
+                    lambda a, b, bias: kl_matmul.matmul_bias_act(a, b, bias, kl_matmul.GELU_TANH)),
+    "attention": (kl_attention, "attention_kernel",
+                  lambda dt: tuple(randn(2, 3, 100, 16, dtype=dt, seed=s) for s in range(3)),
+                  lambda q, k, v: kl_attention.causal_attention(q, k, v, block=(32, 32))),
+}
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_optimised_lowering_is_bit_identical_to_the_plain_one(case, dtype, device, monkeypatch):
+    module, name, inputs, call = CASES[case]
+    args = [t.to(device) for t in inputs(dtype)]
+    plain = run_with(monkeypatch, module, name, lambda: call(*args),
+                     {s: False for s in SWITCHES})
+    optimised = run_with(monkeypatch, module, name, lambda: call(*args),
+                         {s: True for s in SWITCHES})
+    assert optimised.dtype == dtype
+    assert torch.equal(optimised, plain), (optimised - plain).abs().max()
+
+
+def test_rms_norm_source_reads_no_mask_tile_and_loads_the_weight_once_per_chunk():
+    x = torch.randn(64, 128, device="kiln")
+    w = torch.randn(128, device="kiln")
+    out = torch.empty_like(x)
+    src = kl_rms_norm.rms_norm_kernel.source(out, x, w, 64, 128, 1e-6, ROWS=4, BLOCK=128)
+    body = src[src.index("KILN_KERNEL("):]
+    assert "bool* __restrict" not in body  # no mask tile is materialised
+    assert body.count("kl_lt_zero(") >= 3  # the masks as row intervals
+    program_loop = body.index("for (int64_t kl_program")
+    weight_load = body.index("weight_data + (")
+    assert weight_load < program_loop  # hoisted out of the program loop
+    x_load = body.index("x_data + (")
+    assert x_load > program_loop
+    # v * v is summed in the reduction's loop, not stored first
+    assert body.count(".store(") < src.count("KlVec::loadu") and "vacc" in body
+
+
+def test_a_mask_used_elsewhere_is_still_computed():
+    # the attention kernel's causal mask feeds kl.where: it keeps its tile
+    q = torch.randn(1, 64, 16, device="kiln")
+    out = torch.empty_like(q)
+    src = kl_attention.attention_kernel.source(out, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
+    assert "bool* __restrict" in src[src.index("KILN_KERNEL("):]
