@@ -54,8 +54,19 @@ PRELUDE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <kiln/kernel.h>
 
+// BLAS's single-precision GEMM, column-major (libtorch_cpu exports it).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
 namespace {
 using KlVec = at::vec::Vectorized<float>;
+// c (m x n) = a (m x k) @ b (k x n), row-major and contiguous: column-major
+// BLAS computes c^T = b^T a^T.
+inline void kl_gemm(int m, int n, int k, const float* a, const float* b, float* c) {
+  const float one = 1.0f, zero = 0.0f;
+  sgemm_("N", "N", &n, &m, &k, &one, b, &n, a, &k, &zero, c, &n);
+}
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a > b ? a : b;
@@ -783,6 +794,11 @@ class _Emitter:
         v, (a, b) = op.result, op.operands
         m, k = a.shape
         n = b.shape[1]
+        if all(t.dtype == torch.float32 and t.id in self.buffers for t in (a, b)):
+            # float32 tiles in buffers (row-major, contiguous): BLAS's sgemm,
+            # the one torch.matmul on CPU tensors calls.
+            self.line(f"kl_gemm({m}, {n}, {k}, {a.name}, {b.name}, {v.name});")
+            return
         i, j, kk = self.fresh(), self.fresh(), self.fresh()
         self.line(f"for (int64_t {i} = 0; {i} < {m}; ++{i}) {{")
         self.line(f"  float* __restrict kl_row = {v.name} + {i} * {n};")
