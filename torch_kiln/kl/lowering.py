@@ -40,6 +40,7 @@ _HALF = (torch.bfloat16, torch.float16)
 FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
 INTERVAL_MASKS = True  # Note [kl interval masks]; off only to measure it
 HOIST_INVARIANT = True  # Note [kl program-invariant ops]; off only to measure it
+GEMM = True  # float32 kl.matmul through BLAS's sgemm; off only to measure it
 
 PRELUDE = r"""
 #include <algorithm>
@@ -61,11 +62,15 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const int* ldc);
 namespace {
 using KlVec = at::vec::Vectorized<float>;
-// c (m x n) = a (m x k) @ b (k x n), row-major and contiguous: column-major
-// BLAS computes c^T = b^T a^T.
-inline void kl_gemm(int m, int n, int k, const float* a, const float* b, float* c) {
+// c (m x n) = op(a) @ op(b), all row-major and contiguous, where a holds
+// (m x k), or its transpose (k x m) if ta; b holds (k x n), or (n x k) if
+// tb. Column-major BLAS computes c^T = op(b)^T op(a)^T: a row-major buffer
+// is the column-major transpose, so the flags swap meaning.
+inline void kl_gemm(int m, int n, int k, const float* a, bool ta, const float* b, bool tb,
+                    float* c) {
   const float one = 1.0f, zero = 0.0f;
-  sgemm_("N", "N", &n, &m, &k, &one, b, &n, a, &k, &zero, c, &n);
+  const int lda = ta ? m : k, ldb = tb ? k : n;
+  sgemm_(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &zero, c, &n);
 }
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
@@ -257,6 +262,7 @@ class _Emitter:
         self.scalars: list[ir.Value] = []
         self.counter = 0
         self.skip: set[int] = set()  # id()s of ops not to emit in the program body
+        self.streams = False  # whether some store may be a streaming one
         for op in ir.walk(trace.block):
             v = op.result
             if v is None:
@@ -271,6 +277,9 @@ class _Emitter:
             del self.buffers[vid]
         self.intervals, self.unused = self._interval_masks() if INTERVAL_MASKS else ({}, set())
         for vid in self.unused:
+            self.buffers.pop(vid, None)
+        self.transposed_operands = self._transposed_operands()
+        for vid in self.transposed_operands:
             self.buffers.pop(vid, None)
         for vid, (v, _) in list(self.buffers.items()):
             self.buffers[vid] = (v, self.arena)
@@ -397,10 +406,40 @@ class _Emitter:
             if v is None or v.id not in conditions or v.id in self.inlined:
                 continue
             if all((u.kind in ("load", "store") and pos == 1 and self._row_access(u))
+                   or (u.kind == "where" and pos == 0 and u.result.id in self.buffers)
                    or (u.result is not None and u.result.id in unused)
                    for u, pos in uses.get(v.id, [])):
                 unused.add(v.id)
         return conditions, unused
+
+    def _transposed_operands(self) -> set[int]:
+        """Ids of kl.transpose results used only by one float32 kl.matmul of
+        buffered tiles: the matmul passes the untransposed buffer to sgemm
+        with its transpose flag, and the transpose is never computed."""
+        uses: dict[int, int] = {}
+        for op in ir.walk(self.trace.block):
+            for o in op.operands:
+                if isinstance(o, ir.Value):
+                    uses[o.id] = uses.get(o.id, 0) + 1
+            if op.kind == "for":
+                for outer, inner in op.attrs["loop"].carried:
+                    uses[outer.id] = uses.get(outer.id, 0) + 2
+                    uses[inner.id] = uses.get(inner.id, 0) + 2
+        out: set[int] = set()
+        for op in ir.walk(self.trace.block):
+            if op.kind != "matmul" or not GEMM:
+                continue
+            a, b = op.operands
+            if a is b:
+                continue
+            for t in (a, b):
+                d = self.defs.get(t.id)
+                if (d is not None and d.kind == "transpose" and uses.get(t.id) == 1
+                        and t.dtype == torch.float32 and t.alias_of is None
+                        and d.operands[0].dtype == torch.float32
+                        and d.operands[0].id in self.buffers):
+                    out.add(t.id)
+        return out
 
     def _row_access(self, op) -> bool:
         """Whether load/store ``op`` takes the row path (_access_rows)."""
@@ -566,7 +605,41 @@ class _Emitter:
         v, src = op.result, op.operands[0]
         self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
 
+    def _where_interval(self, op):
+        """kl.where whose condition is an interval mask (Note [kl interval
+        masks]): per row, b before the interval, a in it, b after it, in
+        three loops without a select."""
+        v, (c, a, b) = op.result, op.operands
+        n = v.shape[-1]
+
+        def body(idx, flat):
+            inner = self.fresh("c")
+            mlo, mhi = self._interval_bounds(self.intervals[c.id], idx, inner, n)
+            row = f"{flat} * {n} + " if len(v.shape) > 1 else ""
+            compute = torch.float32 if v.dtype in _HALF else v.dtype
+            for lo, hi, src in (("0", mlo, b), (mlo, mhi, a), (mhi, str(n), b)):
+                value = convert(self.operand(src, idx + [inner], v.dtype), compute, v.dtype)
+                self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
+                          f"{v.name}[{row}{inner}] = {value};")
+        self.loops(list(v.shape[:-1]), body)
+
+    def _interval_bounds(self, interval, idx, inner, n) -> tuple[str, str]:
+        """Emits the row's interval [mlo, mhi) of an interval mask (its
+        comparisons' conjunction) at outer index ``idx``; returns the names."""
+        mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
+        self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
+        for cmp, lhs, rhs in interval:
+            (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
+            if cmp in ("gt", "ge"):  # a > b  <=>  b < a
+                (la, lc), (ra, rc) = (ra, rc), (la, lc)
+            # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
+            j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
+            self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+        return mlo, mhi
+
     def op_transpose(self, op):
+        if op.result.id in self.transposed_operands:
+            return  # read transposed by its kl.matmul (sgemm's transpose flag)
         v, src = op.result, op.operands[0]
         self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
 
@@ -578,7 +651,7 @@ class _Emitter:
     _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
                    "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
                    "minimum": "at::vec::minimum({a}, {b})"}
-    _VEC_UNARY = {"exp": "{a}.exp()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
+    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "{a}.exp_u20()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
                   "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
                   "floor": "{a}.floor()", "abs": "{a}.abs()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
@@ -624,15 +697,18 @@ class _Emitter:
             return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
         return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
 
-    def _vec_row(self, op, idx, dest, n) -> None:
+    def _vec_row(self, op, idx, dest, n, streaming=False) -> None:
         """Emits row ``idx`` (outer indices) of vectorisable ``op``, ``n``
-        elements, stored from the pointer expression ``dest`` on."""
+        elements, stored from the pointer expression ``dest`` on (whole
+        vectors with kiln::store_streaming if ``streaming``: dest aligned)."""
         ii = self.fresh("c")
         full = idx + [ii]
         count = f"({n} - {ii})"
         self.line(f"int64_t {ii} = 0;")
-        self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
-                  f"{self._vec_expr(op, full, None)}.store({dest} + {ii});")
+        expr = self._vec_expr(op, full, None)
+        store = (f"kiln::store_streaming({dest} + {ii}, {expr});" if streaming
+                 else f"{expr}.store({dest} + {ii});")
+        self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {store}")
         # the tail: partial loads and stores (KlVec::loadu(p, count)), so
         # it rounds like the body
         self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({dest} + {ii}, "
@@ -658,11 +734,14 @@ class _Emitter:
             return
         if kind == "where":
             c, a, b = ops
+            if isinstance(c, ir.Value) and c.id in self.intervals and v.id in self.buffers:
+                self._where_interval(op)
+                return
             self.assign(v, lambda idx: f"({self.elem(c, idx)} ? {self.operand(a, idx, v.dtype)} "
                                        f": {self.operand(b, idx, v.dtype)})", v.dtype)
             return
-        if kind in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor", "abs",
-                    "invert"):
+        if kind in ("exp", "fast_exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor",
+                    "abs", "invert"):
             x = ops[0]
             ct = compute_type(v.dtype)
 
@@ -677,6 +756,8 @@ class _Emitter:
                         f"({a} < 0 ? -{a} : {a})"
                 if kind == "invert":
                     return f"(!{a})" if v.dtype == torch.bool else f"(~{a})"
+                if kind == "fast_exp":
+                    return f"std::exp({a})"
                 return f"std::{kind}({a})"
             self.assign(v, unary, v.dtype)
             return
@@ -794,10 +875,16 @@ class _Emitter:
         v, (a, b) = op.result, op.operands
         m, k = a.shape
         n = b.shape[1]
-        if all(t.dtype == torch.float32 and t.id in self.buffers for t in (a, b)):
+        ta, tb = (t.id in self.transposed_operands for t in (a, b))
+        a_buf = self.defs[a.id].operands[0] if ta else a
+        b_buf = self.defs[b.id].operands[0] if tb else b
+        if GEMM and all(t.dtype == torch.float32 and t.id in self.buffers
+                        for t in (a_buf, b_buf)):
             # float32 tiles in buffers (row-major, contiguous): BLAS's sgemm,
-            # the one torch.matmul on CPU tensors calls.
-            self.line(f"kl_gemm({m}, {n}, {k}, {a.name}, {b.name}, {v.name});")
+            # the one torch.matmul on CPU tensors calls; a transposed
+            # operand is its untransposed buffer with sgemm's transpose flag.
+            self.line(f"kl_gemm({m}, {n}, {k}, {a_buf.name}, {'true' if ta else 'false'}, "
+                      f"{b_buf.name}, {'true' if tb else 'false'}, {v.name});")
             return
         i, j, kk = self.fresh(), self.fresh(), self.fresh()
         self.line(f"for (int64_t {i} = 0; {i} < {m}; ++{i}) {{")
@@ -933,15 +1020,7 @@ class _Emitter:
                 self.line(f"kl_in_bounds({j}, {c}, {x}_sizes[{d}], {n}, &{lo}, &{hi});")
             enabled = "true" if mask is None else self.elem(mask, idx + [inner])
             if interval is not None:
-                mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
-                self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
-                for cmp, lhs, rhs in interval:
-                    (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
-                    if cmp in ("gt", "ge"):  # a > b  <=>  b < a
-                        (la, lc), (ra, rc) = (ra, rc), (la, lc)
-                    # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
-                    j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
-                    self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+                mlo, mhi = self._interval_bounds(interval, idx, inner, n)
                 enabled = f"({inner} >= {mlo} && {inner} < {mhi})"
                 out_of = f"({mlo} < {lo} || {mhi} > {hi})"
                 self.line(f"if (__builtin_expect({mlo} < {mhi} && {out_of}, 0)) {{")
@@ -1059,9 +1138,20 @@ class _Emitter:
             else:
                 fast = None
             if fast is not None:
+                self.streams = True
                 self.line(f"if ({' && '.join(fast)}) {{")
                 self.indent += 1
+                # a large output: streaming stores (kiln/kernel.h)
+                self.line(f"if ({x}_streaming && reinterpret_cast<uintptr_t>({row}) % "
+                          f"sizeof(KlVec) == 0) {{")
+                self.indent += 1
+                self._vec_row(deferred, idx, row, n, streaming=True)
+                self.indent -= 1
+                self.line("} else {")
+                self.indent += 1
                 self._vec_row(deferred, idx, row, n)
+                self.indent -= 1
+                self.line("}")
                 self.indent -= 1
                 self.line("} else {")
                 self.indent += 1
@@ -1176,6 +1266,13 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
             out.append(f"  int64_t {p.name}_strides[{max(ndim, 1)}] = {{0}};")
             out.append(f"  for (int d = 0; d < {ndim}; ++d) {{ {p.name}_sizes[d] = "
                        f"{p.name}_view.size(d); {p.name}_strides[d] = {p.name}_view.stride(d); }}")
+            if written:
+                out.append(f"  int64_t {p.name}_bytes = {dtype.itemsize};")
+                out.append(f"  for (int d = 0; d < {ndim}; ++d) {p.name}_bytes *= "
+                           f"{p.name}_sizes[d];")
+                out.append(f"  const bool {p.name}_streaming = {p.name}_bytes >= "
+                           f"kiln::kStreamingBytes;")
+                out.append(f"  (void){p.name}_streaming;")
             sig.append(f"{SIG_DTYPE[dtype]}[{','.join('*' * ndim)}]{'!' if written else ''} "
                        f"{p.name}")
             index += 1
@@ -1216,6 +1313,8 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
         out.append(f"      {CTYPE[v.dtype]} {v.name}{{}};")
     out += program_lines
     out.append("    }")
+    if e.streams:
+        out.append("    kiln::fence_streaming();")
     out.append("  });")
     out.append("}")
     signature = f"{kernel_name}({', '.join(sig)})"
