@@ -315,7 +315,25 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
 
+# torch.kiln.FloatTensor, ..., BoolTensor: the legacy typed tensor classes, as
+# torch.cuda has them (Note [Legacy typed tensor classes] in
+# torch_kiln/csrc/python/LegacyTensorTypes.cc).
+_LEGACY_TENSOR_TYPES = (
+    "BFloat16Tensor",
+    "BoolTensor",
+    "ByteTensor",
+    "CharTensor",
+    "DoubleTensor",
+    "FloatTensor",
+    "HalfTensor",
+    "IntTensor",
+    "LongTensor",
+    "ShortTensor",
+)
+_C._add_legacy_tensor_types(sys.modules[__name__])
+
 __all__ = [
+    *_LEGACY_TENSOR_TYPES,
     "Event",
     "ExternalStream",
     "KilnError",
