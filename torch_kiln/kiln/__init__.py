@@ -255,14 +255,18 @@ class _KilnDeviceProperties:
     are checked against (torch_kiln/kl/tile_model.py): ``tile_max_partition_dim``
     (largest leading tile dimension), ``tile_partitions``,
     ``tile_scratch_bytes_per_partition`` (on-chip scratch per partition, bytes)
-    and ``tile_dtypes`` (tuple of torch.dtype)."""
+    and ``tile_dtypes`` (tuple of torch.dtype). ``pci_bus_id`` (int) says
+    which of the ``KILN_DEVICE_COUNT`` devices this is, whatever number
+    ``KILN_VISIBLE_DEVICES`` gives it (as CUDA's names the board behind a
+    renumbered GPU)."""
 
-    def __init__(self, name: str, total_memory: int, multi_processor_count: int):
+    def __init__(self, name: str, total_memory: int, multi_processor_count: int, pci_bus_id: int):
         from torch_kiln.kl import tile_model
 
         self.name = name
         self.total_memory = total_memory
         self.multi_processor_count = multi_processor_count
+        self.pci_bus_id = pci_bus_id
         self.major, self.minor = _CAPABILITY
         self.tile_max_partition_dim = tile_model.MAX_PARTITION_DIM
         self.tile_partitions = tile_model.PARTITIONS

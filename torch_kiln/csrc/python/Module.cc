@@ -39,7 +39,7 @@ py::tuple deviceProperties(int device) {
   kilnDeviceProp prop{};
   KILN_CHECK(kilnGetDeviceProperties(&prop, device));
   return py::make_tuple(std::string(prop.name), static_cast<uint64_t>(prop.totalGlobalMem),
-                        prop.multiProcessorCount);
+                        prop.multiProcessorCount, prop.pciBusID);
 }
 
 py::object defaultGenerator(int device) {
