@@ -272,6 +272,8 @@ class _Emitter:
             elif needs_storage(v):
                 self.buffers[v.id] = (v, self.arena)
         self.defs = {op.result.id: op for op in ir.walk(trace.block) if op.result is not None}
+        self.accumulated: set[int] = set()  # reductions computed in their operand's loop
+        self.accumulated_by: dict[int, list] = {}  # operand id -> those reductions
         self.inlined, self.deferred = self._choose_inlined() if FUSE_ELEMENTWISE else (set(), set())
         for vid in self.inlined:
             del self.buffers[vid]
@@ -299,7 +301,12 @@ class _Emitter:
           enabled throughout, else into its buffer and then stored as before
           ("deferred": it keeps its buffer for that case).
 
-        Both are bit-identical to the unfused code: each element goes
+        And a stored tile read by last-axis float32 reductions later in its
+        block computes them in its own vector loop, storing each vector and
+        adding it to the reductions' accumulators ("accumulated": softmax's
+        exp and its row sum in one pass).
+
+        All are bit-identical to the unfused code: each element goes
         through the same vector instructions (the tail through the same
         partial loads), and a reduction combines the same values in the same
         order. Loop-carried tiles and tiles viewed by an alias keep their
@@ -349,6 +356,21 @@ class _Emitter:
             elif (cop.result is not None and cop.result.shape == v.shape
                   and self._vectorisable(cop)):
                 inlined.add(v.id)
+        # a stored tile read by later last-axis reductions of the same block
+        # (no loop in between) computes them in its own loop: one pass less
+        for op, block, pos in placed:
+            v = op.result
+            if (v.id not in self.buffers or v.id in inlined or v.id in deferred
+                    or v.id in keep or not self._vectorisable(op)):
+                continue
+            for cpos in range(pos + 1, len(block.ops)):
+                cop = block.ops[cpos]
+                if cop.kind == "for":
+                    break
+                if (cop.kind in ("sum", "max", "min") and cop.operands[0] is v
+                        and self._vector_reduction(cop) and cop.result.dtype == torch.float32):
+                    self.accumulated.add(cop.result.id)
+                    self.accumulated_by.setdefault(v.id, []).append(cop)
         return inlined, deferred
 
     _CONDITIONS = ("lt", "le", "gt", "ge")
@@ -697,22 +719,55 @@ class _Emitter:
             return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
         return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
 
-    def _vec_row(self, op, idx, dest, n, streaming=False) -> None:
-        """Emits row ``idx`` (outer indices) of vectorisable ``op``, ``n``
-        elements, stored from the pointer expression ``dest`` on (whole
-        vectors with kiln::store_streaming if ``streaming``: dest aligned)."""
+    def _vec_row(self, op, idx, dest, n, streaming=False, flat=None) -> None:
+        """Emits row ``idx`` (outer indices; ``flat`` their flat offset) of
+        vectorisable ``op``, ``n`` elements, stored from the pointer
+        expression ``dest`` on (whole vectors with kiln::store_streaming if
+        ``streaming``: dest aligned); and the row's value of each reduction
+        accumulated into this op's loop (Note [kl elementwise fusion])."""
         ii = self.fresh("c")
         full = idx + [ii]
         count = f"({n} - {ii})"
         self.line(f"int64_t {ii} = 0;")
         expr = self._vec_expr(op, full, None)
-        store = (f"kiln::store_streaming({dest} + {ii}, {expr});" if streaming
-                 else f"{expr}.store({dest} + {ii});")
-        self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {store}")
+        reductions = list(self.accumulated_by.get(op.result.id, ())) if flat is not None else []
+        if reductions:
+            accs = []
+            for r in reductions:
+                _, init, _ = self._reduction_parts(r)
+                acc = self.fresh("vacc")
+                self.line(f"KlVec {acc}({init});")
+                accs.append(acc)
+            t = self.fresh("t")
+            steps = " ".join(f"{acc} = {self._VEC_COMBINE[r.kind].format(a=acc, b=t)};"
+                             for acc, r in zip(accs, reductions))
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {{ "
+                      f"const KlVec {t} = {expr}; {t}.store({dest} + {ii}); {steps} }}")
+            tail_start = self.fresh("tail")
+            self.line(f"const int64_t {tail_start} = {ii};")
+        else:
+            store = (f"kiln::store_streaming({dest} + {ii}, {expr});" if streaming
+                     else f"{expr}.store({dest} + {ii});")
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {store}")
         # the tail: partial loads and stores (KlVec::loadu(p, count)), so
         # it rounds like the body
         self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({dest} + {ii}, "
                   f"{count});")
+        for acc, r in (zip(accs, reductions) if reductions else ()):
+            # as reduce() does: the lanes in order, then the tail elements
+            # (read back from the row just stored) one by one
+            acc_dtype, _, combine = self._reduction_parts(r)
+            lanes, total = self.fresh("lanes"), self.fresh("total")
+            self.line(f"float {lanes}[KlVec::size()];")
+            self.line(f"{acc}.store({lanes});")
+            self.line(f"float {total} = {lanes}[0];")
+            self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
+                      + combine.format(a=total, b=f"{lanes}[l]") + ";")
+            self.line(f"for (int64_t l = {tail_start}; l < {n}; ++l) {total} = "
+                      + combine.format(a=total, b=f"({dest})[l]") + ";")
+            rv = r.result
+            target = rv.name if rv.shape == () else f"{rv.name}[{flat}]"
+            self.line(f"{target} = {convert(total, acc_dtype, rv.dtype)};")
 
     def op_vector(self, op):
         v = op.result
@@ -721,7 +776,7 @@ class _Emitter:
 
         def body(idx, flat):
             row_flat = f"{flat} * {n}" if outer else "0"
-            self._vec_row(op, idx, f"{v.name} + {row_flat}", n)
+            self._vec_row(op, idx, f"{v.name} + {row_flat}", n, flat=flat if outer else "0")
         self.loops(outer, body)
 
     def op_elementwise(self, op):
@@ -786,9 +841,10 @@ class _Emitter:
 
     op_max = op_min = op_sum
 
-    def reduce(self, op):
-        v, x = op.result, op.operands[0]
-        axis, kind = op.attrs["axis"], op.kind
+    @staticmethod
+    def _reduction_parts(op):
+        """(accumulator dtype, C++ init, scalar combine format) of sum/max/min ``op``."""
+        x, kind = op.operands[0], op.kind
         if kind == "sum":
             acc_dtype = torch.float32 if x.dtype.is_floating_point else torch.int64
         else:
@@ -803,13 +859,24 @@ class _Emitter:
             else:
                 init = f"std::numeric_limits<{at}>::{'lowest' if kind == 'max' else 'max'}()"
             combine = "kl_" + ("maximum" if kind == "max" else "minimum") + f"<{at}>({{a}}, {{b}})"
+        return acc_dtype, init, combine
+
+    _VEC_COMBINE = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
+                    "min": "at::vec::minimum({a}, {b})"}
+
+    def reduce(self, op):
+        v, x = op.result, op.operands[0]
+        axis, kind = op.attrs["axis"], op.kind
+        if v.id in self.accumulated:
+            return  # computed in its operand's loop (Note [kl elementwise fusion])
+        acc_dtype, init, combine = self._reduction_parts(op)
+        at = CTYPE[acc_dtype]
         outer = [d for d in range(len(x.shape)) if d != axis]
         n = x.shape[axis]
         out_shape = [x.shape[d] for d in outer]
 
         if self._vector_reduction(op):
-            vcombine = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
-                        "min": "at::vec::minimum({a}, {b})"}[kind]
+            vcombine = self._VEC_COMBINE[kind]
             fused = self.defs[x.id] if x.id in self.inlined else None  # Note [kl elementwise fusion]
 
             def vbody(idx, flat):
