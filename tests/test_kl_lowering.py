@@ -125,4 +125,4 @@ def test_attention_causal_mask_is_an_interval_in_where():
     src = kl_attention.attention_kernel.source(out, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
     body = src[src.index("KILN_KERNEL("):]
     assert "bool* __restrict" not in body
-    assert "kl_gemm(" in body and "true" in body[body.index("kl_gemm("):][:200]  # k^T by flag
+    assert body.count("kl_gemm(") == 2  # q @ k^T and p @ v through oneDNN's brgemm
