@@ -268,3 +268,44 @@ def test_peer_copy_of_a_result_failed_on_another_stream_is_marked(source, target
         out.cpu()
     with pytest.raises(IndexError, match="index_select"):
         side.synchronize()
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+@pytest.mark.parametrize("source", ["pinned-non-blocking", "pinned-blocking", "pageable-non-blocking",
+                                    "pageable-blocking"])
+@pytest.mark.parametrize("target", ["existing", "strided", "fresh"])
+def test_copy_from_host_skipped_behind_a_failure_is_marked(device, side_stream, source, target):
+    # Before, the skipped copy left the old bytes (or, for a fresh tensor,
+    # whatever the allocator's block held) to be read as the new values once
+    # the program had caught the error.
+    stream = torch.kiln.Stream(device=device) if side_stream else None
+    with torch.kiln.device(device), torch.kiln.stream(stream):
+        x = torch.arange(4.0, device=device)
+        torch.index_select(x, 0, torch.tensor([0], device=device))  # warm up on this device
+        torch.kiln.current_stream().synchronize()
+        old = torch.zeros(4, 2, device=device)
+        dst = old if target == "existing" else old[:, 0]
+        host = torch.full(tuple(dst.shape) if target != "fresh" else (4, 2), 7.0)
+        if source.startswith("pinned"):
+            host = host.pin_memory()
+        non_blocking = source.endswith("non-blocking")
+        index = torch.tensor([0, 9], device=device)
+        torch.kiln._sleep(50)
+        torch.index_select(x, 0, index)  # fails on the device, after the copy is queued
+        if target == "fresh" and not non_blocking:
+            with pytest.raises(IndexError, match="index_select"):
+                host.to(device)  # waits, so raises: the program never holds the tensor
+            return
+        with pytest.raises(IndexError, match="index_select"):
+            if target == "fresh":
+                dst = host.to(device, non_blocking=True)
+            else:
+                dst.copy_(host, non_blocking=non_blocking)
+            torch.kiln.current_stream().synchronize()
+        with pytest.raises(RuntimeError, match="never computed.*index_select"):
+            dst.cpu()
+        # A copy that overwrites the storage whole makes it valid again.
+        whole = dst if target == "fresh" else old
+        whole.copy_(torch.full(tuple(whole.shape), 7.0))
+        assert dst.cpu().tolist() == host.tolist()

@@ -165,6 +165,23 @@ at::Tensor emptyLike(const at::Tensor& layout_source, c10::ScalarType dtype, c10
       : at::empty(layout_source.sizes(), options);
 }
 
+// Runs right behind a host->device copy on its stream. If an earlier kernel
+// there failed, the runtime skips the copy and this task too: the
+// destination then holds its old bytes (or, fresh from the allocator, none),
+// and is marked so (Note [Results of failed kernels]) instead of being read
+// later, after the error was raised and caught, as if the copy had been made.
+struct HostCopySkipMark final : TaskBody {
+  explicit HostCopySkipMark(const at::Tensor& target) : target_data(target.storage().data()) {}
+  void run() override {}
+  void skipped() override {
+    const std::string& failure = lastKernelFailureOnThread();
+    c10::kiln::markFailedResult(
+        target_data, "the copy from host memory was skipped after an earlier kernel on its stream "
+                     "failed" + (failure.empty() ? std::string() : ": " + failure));
+  }
+  const void* target_data;
+};
+
 void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   const c10::DeviceGuard guard(dst.device());
   if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
@@ -185,11 +202,14 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   if (!non_blocking) {
     recordSyncOp("aten::_copy_from"); // may raise (sync debug mode): before the copy is queued
   }
+  if (bytes == target.storage().nbytes()) {
+    // Overwritten whole. Cleared before the copy is queued: if the copy is
+    // skipped, its check below marks the target again, possibly at once.
+    c10::kiln::clearFailedResult(target.storage().data());
+  }
   KILN_CHECK(kilnMemcpyAsync(target.data_ptr(), staged.const_data_ptr(), bytes,
                              kilnMemcpyHostToDevice, stream.stream()));
-  if (bytes == target.storage().nbytes()) {
-    c10::kiln::clearFailedResult(target.storage().data()); // overwritten whole
-  }
+  launchTaskBody(stream, "host copy check", std::make_unique<HostCopySkipMark>(target));
   if (!target.is_same(dst)) {
     launchDeviceCopy(dst, target, stream);
   }

@@ -11,7 +11,8 @@
 // memory that was never written. Kiln therefore remembers the storages of
 // failed and skipped kernels:
 //   * a kernel that fails, or is skipped because an earlier one on its stream
-//     failed, marks the storages it writes (KernelLaunch);
+//     failed, marks the storages it writes (KernelLaunch); so does a copy
+//     from the host or another device that is skipped (Copy.cc);
 //   * a kernel launched with a marked input marks what it writes, so the mark
 //     follows the data (KernelLaunch::launch), and so does a kernel whose
 //     input is marked by the time it runs (a failure on another stream,
