@@ -126,3 +126,53 @@ def test_attention_causal_mask_is_an_interval_in_where():
     body = src[src.index("KILN_KERNEL("):]
     assert "bool* __restrict" not in body
     assert body.count("kl_gemm(") == 2  # q @ k^T and p @ v through oneDNN's brgemm
+
+
+@kl.jit
+def masked_copy_kernel(out, x, lo, hi, BLOCK: kl.constexpr):
+    # row r keeps the columns c with lo < c <= hi and BLOCK - 1 - c >= r:
+    # conditions with both signs of coefficient, >, <= and >=
+    r = kl.program_id(0)
+    cols = kl.arange(0, BLOCK)
+    mask = (cols > lo) & (cols <= hi) & ((BLOCK - 1 - cols) >= r)
+    v = kl.load(x, (r, cols), mask=mask, other=-7.0)
+    kl.store(out, (r, cols), kl.where(mask, v * 2.0, v), mask=cols < BLOCK)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("lo, hi", [(2, 11), (-5, 40), (20, 30), (-100, -50), (7, 3)])
+def test_interval_masks_match_the_simulator_including_empty_rows(device, lo, hi):
+    # (20, 30) and (-100, -50) enable nothing in any row (the interval lies
+    # past either end of the row); they must give `other` and write nothing
+    # outside the row
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(3))
+    guard = torch.full((3, 16), 123.0)
+    expected = torch.empty(16, 16)
+    masked_copy_kernel[(16,)](expected, x, lo, hi, BLOCK=16)  # CPU tensors: the simulator
+    buf = torch.cat([guard, torch.full((16, 16), float("nan")), guard]).to(device)
+    out = buf[3:19]
+    masked_copy_kernel[(16,)](out, x.to(device), lo, hi, BLOCK=16)
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal(buf[:3].cpu(), guard) and torch.equal(buf[19:].cpu(), guard)
+
+
+@kl.jit
+def empty_interval_kernel(out, x, w, lo, BLOCK: kl.constexpr):
+    r = kl.program_id(0)
+    cols = kl.arange(0, BLOCK)
+    v = kl.load(x, (r, cols), mask=cols > lo, other=-7.0)  # no column when lo >= BLOCK - 1
+    wt = kl.load(w, cols)  # program-invariant: loaded once, its buffer follows v's
+    kl.store(out, (r, cols), v + wt)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("lo", [20, 15, 3, -4])
+def test_an_interval_past_the_row_end_writes_only_the_row(device, lo):
+    # lo = 20: the interval [21, 21) lies past the 16-element row; filling
+    # the row with `other` must not run on into the next tile's scratch
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    w = torch.arange(16.0)
+    expected = torch.where(torch.arange(16) > lo, x, torch.tensor(-7.0)) + w
+    out = torch.empty(4, 16, device=device)
+    empty_interval_kernel[(4,)](out, x.to(device), w.to(device), lo, BLOCK=16)
+    assert torch.equal(out.cpu(), expected)

@@ -161,7 +161,9 @@ inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t
   if (*hi < *lo) *hi = *lo;
 }
 // Narrows [*lo, *hi) to the i with j0 + c * i < 0 (an interval: the
-// condition is monotonic in i). Note [kl interval masks].
+// condition is monotonic in i). Note [kl interval masks]. Called on
+// [0, n) first; afterwards either 0 <= *lo < *hi <= n or *lo == *hi == 0
+// (empty), so loops over [0, lo) and [hi, n) stay inside the row.
 inline int64_t kl_floor_div(int64_t a, int64_t b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
@@ -173,7 +175,7 @@ inline void kl_lt_zero(int64_t j0, int64_t c, int64_t* lo, int64_t* hi) {
   } else {  // i * (-c) > j0  <=>  i >= floor(j0 / -c) + 1
     *lo = std::max(*lo, kl_floor_div(j0, -c) + 1);
   }
-  if (*hi < *lo) *hi = *lo;
+  if (*hi <= *lo) *lo = *hi = 0;
 }
 [[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
     const char* where, int64_t index, int dim, int64_t size) {
