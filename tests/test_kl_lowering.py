@@ -176,3 +176,27 @@ def test_an_interval_past_the_row_end_writes_only_the_row(device, lo):
     out = torch.empty(4, 16, device=device)
     empty_interval_kernel[(4,)](out, x.to(device), w.to(device), lo, BLOCK=16)
     assert torch.equal(out.cpu(), expected)
+
+
+@kl.jit
+def carried_sum_kernel(out, doubled, w, steps, BLOCK: kl.constexpr):
+    # acc starts as the sum of a program-invariant tile (read twice, so the
+    # sum is accumulated in the tile's loop) and is rewritten by the loop:
+    # each program must start from the sum again
+    cols = kl.arange(0, BLOCK)
+    w2 = kl.load(w, cols) * 2.0
+    acc = kl.sum(w2, axis=0)
+    for i in kl.range(0, steps, 1):
+        acc = acc + 1.0
+    kl.store(out, kl.program_id(0), acc)
+    kl.store(doubled, kl.program_id(0) * BLOCK + cols, w2)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_loop_carried_reduction_of_an_invariant_tile_restarts_in_each_program(device):
+    w = torch.arange(16.0)
+    out = torch.zeros(8, device=device)
+    doubled = torch.zeros(8 * 16, device=device)
+    carried_sum_kernel[(8,)](out, doubled, w.to(device), 3, BLOCK=16)
+    assert out.cpu().tolist() == [float(w.sum() * 2 + 3)] * 8
+    assert torch.equal(doubled.cpu(), (w * 2).repeat(8))

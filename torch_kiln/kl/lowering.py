@@ -52,10 +52,18 @@ PRELUDE = r"""
 #include <memory>
 #include <string>
 #include <ATen/cpu/vec/functional.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/vec.h>
 #include <kiln/kernel.h>
 
+// From ATen/native/CPUBlas.h (PyTorch 2.13), declared here: including that
+// header adds 2-3 s to every kl kernel's build. libtorch_cpu exports both;
+// a signature that no longer matches fails the link (build.py links with
+// -Wl,--no-undefined: the error names the symbol).
+namespace at::native::cpublas {
+void brgemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, int64_t ld_c,
+            const bool add_C, const float* A, const float* B, float* C, bool is_vnni);
+void brgemm_release(bool is_vnni);
+}  // namespace at::native::cpublas
 namespace {
 using KlVec = at::vec::Vectorized<float>;
 // c (m x n) = a (m x k) @ b (k x n), all row-major and contiguous: oneDNN's
@@ -361,8 +369,11 @@ class _Emitter:
                 cop = block.ops[cpos]
                 if cop.kind == "for":
                     break
+                # (not a loop-carried one: it must stay where it is, in every
+                # program, even where its operand is hoisted)
                 if (cop.kind in ("sum", "max", "min") and cop.operands[0] is v
-                        and self._vector_reduction(cop) and cop.result.dtype == torch.float32):
+                        and self._vector_reduction(cop) and cop.result.dtype == torch.float32
+                        and cop.result.id not in keep):
                     self.accumulated.add(cop.result.id)
                     self.accumulated_by.setdefault(v.id, []).append(cop)
         return inlined, deferred
