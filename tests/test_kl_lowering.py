@@ -107,5 +107,6 @@ def test_a_mask_used_elsewhere_is_still_computed():
     # the attention kernel's causal mask feeds kl.where: it keeps its tile
     q = torch.randn(1, 64, 16, device="kiln")
     out = torch.empty_like(q)
-    src = kl_attention.attention_kernel.source(out, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
+    lse = torch.empty(1, 64, device="kiln")
+    src = kl_attention.attention_kernel.source(out, lse, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
     assert "bool* __restrict" in src[src.index("KILN_KERNEL("):]
