@@ -181,7 +181,7 @@ def causal_attention(q, k, v, block=(64, 64)):
     dtypes, ValueError for other shapes, head_dims or blocks."""
     _check(q, k, v, block)
     shape = q.shape
-    q3, k3, v3 = (t.reshape(-1, shape[-2], shape[-1]) for t in (q, k, v))
+    q3, k3, v3 = (t.flatten(0, -3) for t in (q, k, v))  # (batch * heads, seq, head_dim)
     out, _ = causal_attention_forward(q3, k3, v3, block[0], block[1])
     return out.reshape(shape)
 
