@@ -150,19 +150,21 @@ def test_gradient_of_one_input(device, requires):
 
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
 def test_under_torch_compile_fullgraph(device, fresh_compile):
-    q, k, v, grad_out = inputs((2, 2, 100, 16), torch.float32)
-
     def loss(q, k, v, w):
         return (kl_attention.causal_attention(q.sin(), k, v * 2, block=(32, 32)) * w).sum()
 
     compiled = torch.compile(loss, fullgraph=True)
-    qk, kk, vk = (t.to(device).requires_grad_() for t in (q, k, v))
-    compiled(qk, kk, vk, grad_out.to(device)).backward()
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    (F.scaled_dot_product_attention(qr.sin(), kr, vr * 2, is_causal=True) * grad_out).sum() \
-        .backward()
-    for got, want in zip((qk, kk, vk), (qr, kr, vr)):
-        torch.testing.assert_close(got.grad.cpu(), want.grad, **tol(torch.float32))
+    # A second sequence length recompiles with seq dynamic (symbolic shapes
+    # in the operators' fake implementations).
+    for seq in (100, 70):
+        q, k, v, grad_out = inputs((2, 2, seq, 16), torch.float32)
+        qk, kk, vk = (t.to(device).requires_grad_() for t in (q, k, v))
+        compiled(qk, kk, vk, grad_out.to(device)).backward()
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        (F.scaled_dot_product_attention(qr.sin(), kr, vr * 2, is_causal=True) * grad_out).sum() \
+            .backward()
+        for got, want in zip((qk, kk, vk), (qr, kr, vr)):
+            torch.testing.assert_close(got.grad.cpu(), want.grad, **tol(torch.float32))
 
 
 def test_finite_differences_of_the_kl_forward():
@@ -200,6 +202,11 @@ def test_empty_inputs():
 def test_opcheck():
     q, k, v = (t.to("kiln") for t in inputs((3, 40, 16), torch.float32)[:3])
     torch.library.opcheck(kl_attention.causal_attention_forward, (q, k, v, 32, 16),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    out, lse = kl_attention.causal_attention_forward(q, k, v, 32, 16)
+    torch.library.opcheck(kl_attention.causal_attention_backward,
+                          (v.cos(), q, k, v, out, lse, 32, 16),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
     # PyTorch's test_autograd_registration supports only CPU/CUDA/XPU tensors:

@@ -72,7 +72,7 @@ def attention_backward_dkdv_kernel(grad_k, grad_v, q, k, v, grad_out, lse, delta
         l_i = kl.load(lse, (bh, rm), mask=rm < seq, other=0.0)  # (BM,)
         d_i = kl.load(delta, (bh, rm), mask=rm < seq, other=0.0)  # (BM,)
         s = kl.matmul(qs, kt)  # (BM, BN)
-        valid = (rm[:, None] >= rn[None, :]) & rows & (rn[None, :] < seq)
+        valid = (rm[:, None] >= rn[None, :]) & rows  # causal, so keys < seq too
         p = kl.where(valid, kl.exp(s - l_i[:, None]), 0.0)
         dv = dv + kl.matmul(kl.transpose(p), do)
         dp = kl.matmul(do, vt)  # (BM, BN)
@@ -105,7 +105,7 @@ def attention_backward_dq_kernel(grad_q, q, k, v, grad_out, lse, delta, seq, sca
         vt = kl.load(v, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq,
                      other=0.0).to(kl.float32)  # V_j^T, (D, BN)
         s = kl.matmul(qs, kt)
-        valid = (rm[:, None] >= rn[None, :]) & rows & (rn[None, :] < seq)
+        valid = (rm[:, None] >= rn[None, :]) & rows  # causal, so keys < seq too
         p = kl.where(valid, kl.exp(s - l_i[:, None]), 0.0)
         dp = kl.matmul(do, vt)
         ds = p * (dp - d_i[:, None])
