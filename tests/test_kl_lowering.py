@@ -121,10 +121,27 @@ def test_rms_norm_source_reads_no_mask_tile_and_loads_the_weight_once_per_chunk(
     assert body.count(".store(") < src.count("KlVec::loadu") and "vacc" in body
 
 
-def test_a_mask_used_elsewhere_is_still_computed():
-    # the attention kernel's causal mask feeds kl.where: it keeps its tile
+@kl.jit
+def mask_as_value_kernel(out, n, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    inside = cols < n
+    kl.store(out, cols, inside.to(kl.float32) * 2.0, mask=cols < BLOCK)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_mask_read_as_a_value_is_still_computed(device, monkeypatch):
+    out = torch.full((16,), -1.0, device=device)
+    src = mask_as_value_kernel.source(out, 5, BLOCK=16)
+    assert "bool* __restrict" in src[src.index("KILN_KERNEL("):]
+    mask_as_value_kernel[(1,)](out, 5, BLOCK=16)
+    assert out.cpu().tolist() == [2.0] * 5 + [0.0] * 11
+
+
+def test_attention_causal_mask_is_an_interval_in_where():
     q = torch.randn(1, 64, 16, device="kiln")
     out = torch.empty_like(q)
     lse = torch.empty(1, 64, device="kiln")
     src = kl_attention.attention_kernel.source(out, lse, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
-    assert "bool* __restrict" in src[src.index("KILN_KERNEL("):]
+    body = src[src.index("KILN_KERNEL("):]
+    assert "bool* __restrict" not in body
+    assert body.count("kl_gemm(") == 2  # q @ k^T and p @ v through oneDNN's brgemm

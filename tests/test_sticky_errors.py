@@ -199,3 +199,113 @@ def test_block_reused_while_a_mark_is_pending_holds_the_new_values(write):
         assert values.isfinite().all() and values.std() > 0.1
     with pytest.raises(RuntimeError, match="never computed"):
         y.cpu()  # the failed result itself stays unreadable
+
+
+def _fail_on_side_stream_then_join(device, join):
+    """`w` (on `device`) should be doubled by a side stream, behind a kernel
+    that fails there, so it is skipped; the current stream then waits for the
+    side stream (by wait_stream or an event). Everything is queued before the
+    failure happens, so no launch-time check can see it."""
+    x = torch.arange(4.0, device=device)
+    torch.index_select(x, 0, torch.tensor([0], device=device))  # warm up on this device
+    torch.kiln.synchronize(device)
+    index = torch.tensor([0, 9], device=device)
+    w = torch.full((4,), 3.0, device=device)
+    side = torch.kiln.Stream(device=device)
+    side.wait_stream(torch.kiln.current_stream(device))
+    with torch.kiln.stream(side):
+        torch.kiln._sleep(100)
+        torch.index_select(x, 0, index)  # fails on the device
+        w.mul_(2)  # skipped: w never gets its values
+        event = torch.kiln.Event()
+        event.record()
+    if join == "wait_stream":
+        torch.kiln.current_stream(device).wait_stream(side)
+    else:
+        torch.kiln.current_stream(device).wait_event(event)
+    return w, side
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("join", ["wait_stream", "wait_event"])
+@pytest.mark.parametrize("sync", ["stream", "event"])
+def test_async_copy_to_host_of_a_result_failed_on_another_stream_raises(device, join, sync):
+    # Before, the copy moved the never-computed bytes into `host` and the
+    # current stream's synchronization returned: a silently stale batch.
+    with torch.kiln.device(device):
+        w, side = _fail_on_side_stream_then_join(device, join)
+        host = torch.full((4,), -1.0).pin_memory()
+        host.copy_(w, non_blocking=True)
+        with pytest.raises(RuntimeError, match=r"non_blocking=True were never computed.*index_select"):
+            if sync == "stream":
+                torch.kiln.current_stream().synchronize()
+            else:
+                done = torch.kiln.Event()
+                done.record()
+                done.synchronize()
+        assert host.tolist() == [-1.0] * 4  # the copy was not made
+        with pytest.raises(IndexError, match="index_select"):
+            side.synchronize()
+        assert (torch.ones(2, device=device) * 2).tolist() == [2.0, 2.0]  # works again
+
+
+@pytest.mark.parametrize("source, target", [("kiln:0", "kiln:1"), ("kiln:1", "kiln:0")])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed-source", "strided-target"])
+def test_peer_copy_of_a_result_failed_on_another_stream_is_marked(source, target, layout):
+    # Before, the peer copy ran with the never-computed bytes and the copy on
+    # the other device read back as valid values.
+    with torch.kiln.device(source):
+        w, side = _fail_on_side_stream_then_join(source, "wait_stream")
+    if layout == "transposed-source":
+        w = w.view(2, 2).t()
+        out = w.to(target)
+    elif layout == "strided-target":
+        out = torch.zeros(4, 2, device=target)[:, 0]
+        out.copy_(w)
+    else:
+        out = w.to(target)
+    with pytest.raises(RuntimeError, match="never computed.*index_select"):
+        out.cpu()
+    with pytest.raises(IndexError, match="index_select"):
+        side.synchronize()
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+@pytest.mark.parametrize("source", ["pinned-non-blocking", "pinned-blocking", "pageable-non-blocking",
+                                    "pageable-blocking"])
+@pytest.mark.parametrize("target", ["existing", "strided", "fresh"])
+def test_copy_from_host_skipped_behind_a_failure_is_marked(device, side_stream, source, target):
+    # Before, the skipped copy left the old bytes (or, for a fresh tensor,
+    # whatever the allocator's block held) to be read as the new values once
+    # the program had caught the error.
+    stream = torch.kiln.Stream(device=device) if side_stream else None
+    with torch.kiln.device(device), torch.kiln.stream(stream):
+        x = torch.arange(4.0, device=device)
+        torch.index_select(x, 0, torch.tensor([0], device=device))  # warm up on this device
+        torch.kiln.current_stream().synchronize()
+        old = torch.zeros(4, 2, device=device)
+        dst = old if target == "existing" else old[:, 0]
+        host = torch.full(tuple(dst.shape) if target != "fresh" else (4, 2), 7.0)
+        if source.startswith("pinned"):
+            host = host.pin_memory()
+        non_blocking = source.endswith("non-blocking")
+        index = torch.tensor([0, 9], device=device)
+        torch.kiln._sleep(50)
+        torch.index_select(x, 0, index)  # fails on the device, after the copy is queued
+        if target == "fresh" and not non_blocking:
+            with pytest.raises(IndexError, match="index_select"):
+                host.to(device)  # waits, so raises: the program never holds the tensor
+            return
+        with pytest.raises(IndexError, match="index_select"):
+            if target == "fresh":
+                dst = host.to(device, non_blocking=True)
+            else:
+                dst.copy_(host, non_blocking=non_blocking)
+            torch.kiln.current_stream().synchronize()
+        with pytest.raises(RuntimeError, match="never computed.*index_select"):
+            dst.cpu()
+        # A copy that overwrites the storage whole makes it valid again.
+        whole = dst if target == "fresh" else old
+        whole.copy_(torch.full(tuple(whole.shape), 7.0))
+        assert dst.cpu().tolist() == host.tolist()

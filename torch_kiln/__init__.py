@@ -32,6 +32,12 @@ from torch_kiln import _C  # noqa: F401
 
 torch.utils.rename_privateuse1_backend("kiln")
 
+# Kiln runs PyTorch's Python meta kernels, which would import torch._dynamo on
+# the first op (Note [Meta kernels without importing Dynamo]).
+from torch_kiln import _lazy_dynamo_disable  # noqa: E402
+
+_lazy_dynamo_disable.install()
+
 from torch_kiln import kiln  # noqa: E402  (needs the backend name above)
 
 torch._register_device_module("kiln", kiln)

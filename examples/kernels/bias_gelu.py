@@ -36,34 +36,10 @@ SOURCE = r"""
 namespace {
 using Vec = at::vec::Vectorized<float>;
 
-// Outputs of at least this many bytes are written with streaming
-// (non-temporal) stores, which skip reading the output's cache lines before
-// overwriting them (Intel SDM vol. 1, 10.4.6.2, "Caching of Temporal vs.
-// Non-Temporal Data"): a third less memory traffic for a pass this size. Two
-// of this machine's 4 MiB per-core L2 caches; smaller outputs, which the next
-// op may still find in cache, use ordinary stores. On the 2-core machine,
-// 4096x1024 float32: 4.34 ms with streaming stores against 5.14 ms without,
-// one A/B run under load.
-constexpr int64_t kStreamingBytes = 8 << 20;
-
-// Stores v at p (aligned to sizeof(Vec)) without reading p's cache line.
-inline void store_streaming(float* p, Vec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  _mm512_stream_ps(p, v);
-#elif defined(CPU_CAPABILITY_AVX2)
-  _mm256_stream_ps(p, v);
-#else
-  v.store(p);
-#endif
-}
-
-// Orders this thread's streaming stores before the task ends (they are
-// weakly ordered with respect to other threads' reads).
-inline void fence_streaming() {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  _mm_sfence();
-#endif
-}
+// Outputs of kiln::kStreamingBytes (8 MiB) or more are written with
+// kiln::store_streaming (kiln/kernel.h): on the 2-core machine, 4096x1024
+// float32: 4.34 ms with streaming stores against 5.14 ms without, one A/B
+// run under load.
 
 // PyTorch's CPU GELU (aten/src/ATen/native/cpu/Activation.cpp, GeluKernelImpl
 // and GeluBackwardKernelImpl, approximate='none'), term for term; the
@@ -147,7 +123,7 @@ KILN_KERNEL(bias_gelu_forward) {
   KILN_KERNEL_CHECK(bias.size(0) == cols, "bias has ", bias.size(0), " features, x has ", cols);
   const bool dense = out.stride(1) == 1 && x.stride(1) == 1 && bias.stride(0) == 1;
   const bool streaming =
-      dense && x.size(0) * cols * static_cast<int64_t>(sizeof(float)) >= kStreamingBytes;
+      dense && x.size(0) * cols * static_cast<int64_t>(sizeof(float)) >= kiln::kStreamingBytes;
   ctx.parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int64_t c = 0;
@@ -156,7 +132,7 @@ KILN_KERNEL(bias_gelu_forward) {
         float* yr = &out(r, 0);
         if (streaming && reinterpret_cast<uintptr_t>(yr) % sizeof(Vec) == 0) {
           for (; c + Vec::size() <= cols; c += Vec::size()) {
-            store_streaming(yr + c, gelu(Vec::loadu(xr + c) + Vec::loadu(bias.data() + c)));
+            kiln::store_streaming(yr + c, gelu(Vec::loadu(xr + c) + Vec::loadu(bias.data() + c)));
           }
         }
         for (; c + Vec::size() <= cols; c += Vec::size()) {
@@ -166,7 +142,7 @@ KILN_KERNEL(bias_gelu_forward) {
       for (; c < cols; ++c) out(r, c) = gelu(x(r, c) + bias(c));
     }
     if (streaming) {
-      fence_streaming();
+      kiln::fence_streaming();
     }
   });
 }

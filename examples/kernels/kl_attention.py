@@ -7,7 +7,9 @@ Each program takes BM queries of one (batch, head) and walks the key tiles
 up to the diagonal (a kl.range loop with a runtime trip count) keeping a
 running row maximum m, row sum l and output accumulator acc (online
 softmax: when the maximum grows, l and acc are rescaled by exp(m_old -
-m_new)), so the (seq, seq) score matrix never exists. It also writes each
+m_new)), so the (seq, seq) score matrix never exists. The exps are
+kl.fast_exp (ATen's exp_u20), as PyTorch's CPU flash attention
+(aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) uses. It also writes each
 row's logsumexp L = m + log(l) of the scaled scores (float32, (batch *
 heads, seq)), which the backward kernels (kl_attention_backward.py,
 FlashAttention-2's Algorithm 2) use to recompute the probabilities.
@@ -49,13 +51,12 @@ def attention_kernel(out, lse, q, k, v, seq, scale, BM: kl.constexpr, BN: kl.con
     end = kl.minimum(seq, start + BM)
     for n0 in kl.range(0, end, BN):
         rn = n0 + kl.arange(0, BN)
-        # k loaded transposed, as a (D, BN) tile
-        kt = kl.load(k, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq, other=0.0)
-        s = kl.matmul(qt, kt.to(kl.float32))
+        kt = kl.load(k, (bh, rn[:, None], rd[None, :]), mask=rn[:, None] < seq, other=0.0)
+        s = kl.matmul(qt, kl.transpose(kt.to(kl.float32)))  # (BM, BN)
         s = kl.where((rm[:, None] >= rn[None, :]) & (rn[None, :] < seq), s, -float("inf"))
         m_new = kl.maximum(m_i, kl.max(s, axis=1))
-        p = kl.exp(s - m_new[:, None])
-        alpha = kl.exp(m_i - m_new)
+        p = kl.fast_exp(s - m_new[:, None])
+        alpha = kl.fast_exp(m_i - m_new)
         l_i = l_i * alpha + kl.sum(p, axis=1)
         vt = kl.load(v, (bh, rn[:, None], rd[None, :]), mask=rn[:, None] < seq, other=0.0)
         acc = acc * alpha[:, None] + kl.matmul(p, vt.to(kl.float32))
@@ -63,7 +64,6 @@ def attention_kernel(out, lse, q, k, v, seq, scale, BM: kl.constexpr, BN: kl.con
     kl.store(out, (bh, rm[:, None], rd[None, :]), acc / l_i[:, None], mask=rm[:, None] < seq)
     # The row logsumexp of the scaled scores, for the backward (FlashAttention-2's L)
     kl.store(lse, (bh, rm), m_i + kl.log(l_i), mask=rm < seq)
-
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

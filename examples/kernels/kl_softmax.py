@@ -4,7 +4,9 @@ torch.softmax(x, dim=-1) for a 2-D float32 or bfloat16 x.
 One program handles ROWS rows as a (ROWS, BLOCK) tile (BLOCK >= columns,
 masked loads fill -inf so padding adds exp(-inf) = 0): subtract the row
 maximum, exponentiate, divide by the row sum; in float32, rounded to x's
-dtype at the store. docs/kernels.md writes this kernel step by step.
+dtype at the store. The exp is kl.fast_exp (ATen's exp_u20, within 20 ULP),
+as PyTorch's CPU flash attention uses. docs/kernels.md writes this kernel
+step by step.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def softmax_kernel(out, x, n_rows, n_cols, ROWS: kl.constexpr, BLOCK: kl.constex
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     v = kl.load(x, (rows[:, None], cols[None, :]), mask=mask, other=-float("inf"))
     v = v.to(kl.float32)
-    e = kl.exp(v - kl.max(v, axis=1)[:, None])
+    e = kl.fast_exp(v - kl.max(v, axis=1)[:, None])
     kl.store(out, (rows[:, None], cols[None, :]), e / kl.sum(e, axis=1)[:, None], mask=mask)
 
 

@@ -27,6 +27,19 @@ thread_local int t_current_device = 0;
 
 kilnError_t CheckDevice(const Runtime& rt, int device) {
   if (device >= 0 && device < rt.device_count) return kilnSuccess;
+  const Config& c = rt.config;
+  if (c.visible_devices_set) {
+    if (rt.device_count == 0)
+      return Fail(kilnErrorInvalidDevice,
+                  "kiln device %d does not exist: there are no kiln devices "
+                  "(KILN_VISIBLE_DEVICES='%s' makes none of the %d visible)",
+                  device, c.visible_devices_value.c_str(), c.physical_device_count);
+    return Fail(kilnErrorInvalidDevice,
+                "kiln device %d does not exist: valid devices are 0 to %d "
+                "(KILN_VISIBLE_DEVICES='%s' makes %d of the %d visible)",
+                device, rt.device_count - 1, c.visible_devices_value.c_str(), rt.device_count,
+                c.physical_device_count);
+  }
   if (rt.device_count == 0)
     return Fail(kilnErrorInvalidDevice,
                 "kiln device %d does not exist: there are no kiln devices "
@@ -150,6 +163,7 @@ KILN_API kilnError_t kilnGetDeviceProperties(kilnDeviceProp* prop, int device) {
     prop->multiProcessorCount = rt.host_cores;
     prop->streamPriorityLowest = kiln::kStreamPriorityLowest;
     prop->streamPriorityHighest = kiln::kStreamPriorityHighest;
+    prop->pciBusID = rt.devices[device].physical_index;
     return kilnSuccess;
   });
 }

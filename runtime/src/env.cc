@@ -15,8 +15,36 @@
 //   KILN_LAUNCH_BLOCKING  "0" or "1", default 0
 //   KILN_LAUNCH_QUEUE_DEPTH  entries a stream holds before a launching host
 //                         thread waits: integer 1..1048576, default 1024
+//   KILN_VISIBLE_DEVICES  which of the KILN_DEVICE_COUNT devices this process
+//                         sees, with CUDA_VISIBLE_DEVICES's rules (below)
+//
+// Note [KILN_VISIBLE_DEVICES]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// KILN_DEVICE_COUNT is the number of devices "in the machine";
+// KILN_VISIBLE_DEVICES, like CUDA_VISIBLE_DEVICES, selects some of them, in
+// the order given, and numbers them 0..n-1 for this process: with
+// KILN_VISIBLE_DEVICES=1 the process has one device, kiln:0, which is device 1
+// of the machine (kilnDeviceProp::pciBusID says which). Its rules are
+// CUDA's, as PyTorch models them (torch/cuda/__init__.py,
+// _parse_visible_devices and _device_count_nvml), deliberately not kiln's
+// strict parsing: programs and launchers written for CUDA rely on them
+// (CUDA_VISIBLE_DEVICES= and =-1 to hide every device):
+//   - unset: every device is visible; set but empty: none is;
+//   - entries are separated by commas; each, without surrounding blanks, is
+//     read like strtoul: an optional sign and the leading digits ("1gpu" is
+//     1);
+//   - the list ends at the first entry that is not a number or is negative:
+//     only the devices before it are visible ("0,-1,1" is device 0);
+//   - a device listed twice (before that end) makes no device visible;
+//   - then the list ends at the first index that is not below
+//     KILN_DEVICE_COUNT ("0,5,1" with 2 devices is device 0).
+// This is the one variable an unexpected value of which does not make the
+// environment invalid, as CUDA raises nothing for it either.
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "runtime_internal.h"
 
@@ -116,6 +144,57 @@ std::string ParseLaunchQueueDepth(const char* value, Config* config) {
       value, kMaxLaunchQueueDepth, kDefaultLaunchQueueDepth);
 }
 
+// One entry of KILN_VISIBLE_DEVICES read as PyTorch's _strtoul reads it: its
+// index as decimal digits without leading zeros (kept as text so that indices
+// of any length compare exactly, as Python's ints do), or nothing when the
+// list ends here (not a number, or negative).
+std::optional<std::string> ParseVisibleEntry(std::string entry) {
+  const auto blank = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  while (!entry.empty() && blank(entry.front())) entry.erase(entry.begin());
+  while (!entry.empty() && blank(entry.back())) entry.pop_back();
+  size_t i = 0;
+  bool negative = false;
+  if (i < entry.size() && (entry[i] == '+' || entry[i] == '-')) negative = entry[i++] == '-';
+  const size_t first_digit = i;
+  std::string digits;
+  for (; i < entry.size() && entry[i] >= '0' && entry[i] <= '9'; ++i) {
+    if (!(digits.empty() && entry[i] == '0')) digits += entry[i];
+  }
+  if (i == first_digit) return std::nullopt;
+  if (digits.empty()) digits = "0";
+  if (negative && digits != "0") return std::nullopt;
+  return digits;
+}
+
+void ParseVisibleDevices(const char* value, Config* config) {
+  const std::string s(value);
+  std::vector<std::string> listed;
+  size_t start = 0;
+  bool repeated = false;
+  while (true) {
+    const size_t comma = s.find(',', start);
+    const auto index =
+        ParseVisibleEntry(s.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (!index) break;
+    for (const std::string& seen : listed) repeated = repeated || seen == *index;
+    if (repeated) break;
+    listed.push_back(*index);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::vector<int> visible;
+  if (!repeated) {
+    for (const std::string& index : listed) {
+      // Below physical_device_count (at most 64) means at most two digits.
+      if (index.size() > 2 || std::stoi(index) >= config->physical_device_count) break;
+      visible.push_back(std::stoi(index));
+    }
+  }
+  config->visible_devices = std::move(visible);
+  config->visible_devices_set = true;
+  config->visible_devices_value = s;
+}
+
 }  // namespace
 
 Config ReadConfig() {
@@ -130,6 +209,14 @@ Config ReadConfig() {
   if (const char* v = Getenv("KILN_DEVICE_MEMORY")) note(ParseDeviceMemory(v, &config));
   if (const char* v = Getenv("KILN_LAUNCH_BLOCKING")) note(ParseLaunchBlocking(v, &config));
   if (const char* v = Getenv("KILN_LAUNCH_QUEUE_DEPTH")) note(ParseLaunchQueueDepth(v, &config));
+  config.physical_device_count = config.device_count;
+  config.visible_devices.clear();
+  for (int i = 0; i < config.device_count; ++i) config.visible_devices.push_back(i);
+  // Not Getenv: an empty KILN_VISIBLE_DEVICES hides every device, as CUDA's does.
+  if (const char* v = std::getenv("KILN_VISIBLE_DEVICES")) {
+    ParseVisibleDevices(v, &config);
+    config.device_count = static_cast<int>(config.visible_devices.size());
+  }
   if (!errors.empty()) config.error = "invalid kiln environment: " + errors;
   return config;
 }

@@ -59,6 +59,7 @@ Runtime* CreateRuntime() {
     rt->devices.reset(new Device[static_cast<size_t>(rt->device_count)]);
     for (int i = 0; i < rt->device_count; ++i) {
       rt->devices[i].index = i;
+      rt->devices[i].physical_index = rt->config.visible_devices[static_cast<size_t>(i)];
       rt->devices[i].capacity = rt->config.device_memory;
     }
   }

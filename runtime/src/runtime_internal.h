@@ -80,7 +80,14 @@ constexpr int kStreamPriorityHighest = -1;
 // ---------------------------------------------------------------------------
 
 struct Config {
+  // Devices this process sees: all of KILN_DEVICE_COUNT, or those
+  // KILN_VISIBLE_DEVICES selects (Note [KILN_VISIBLE_DEVICES] in env.cc).
   int device_count = kDefaultDeviceCount;
+  int physical_device_count = kDefaultDeviceCount;  // KILN_DEVICE_COUNT
+  // visible_devices[i] is the KILN_DEVICE_COUNT index of device i.
+  std::vector<int> visible_devices;
+  bool visible_devices_set = false;    // KILN_VISIBLE_DEVICES is in the environment
+  std::string visible_devices_value;   // its value, for messages
   uint64_t device_memory = kDefaultDeviceMemory;
   bool launch_blocking = false;
   size_t launch_queue_depth = kDefaultLaunchQueueDepth;
@@ -679,6 +686,7 @@ struct DeviceAllocation {
 
 struct Device {
   int index = 0;
+  int physical_index = 0;  // among the KILN_DEVICE_COUNT devices (kilnDeviceProp::pciBusID)
   uint64_t capacity = 0;
   uint64_t used = 0;  // guarded by Runtime::mem_mu
 

@@ -1,9 +1,11 @@
 // test_env.cc — parsing of KILN_DEVICE_COUNT, KILN_DEVICE_MEMORY,
-// KILN_LAUNCH_BLOCKING and KILN_LAUNCH_QUEUE_DEPTH. Every case runs in a child
+// KILN_LAUNCH_BLOCKING, KILN_LAUNCH_QUEUE_DEPTH and KILN_VISIBLE_DEVICES. Every case runs in a child
 // process with that environment (the runtime reads it once per process); see
 // test_util.h.
+#include <cstdlib>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -31,6 +33,38 @@ TEST(ChildEnv, DeviceCountIs) {
   EXPECT_KILN_ERR(kilnSetDevice(count), kilnErrorInvalidDevice);
   kilnDeviceProp prop;
   EXPECT_KILN_ERR(kilnGetDeviceProperties(&prop, count), kilnErrorInvalidDevice);
+}
+
+// Expects the devices to be those of the machine listed (by pciBusID, i.e.
+// index among the KILN_DEVICE_COUNT devices) in KILN_TEST_EXPECT_BUS_IDS
+// ("1,0"; "" for none), numbered 0..n-1, each working.
+TEST(ChildEnv, VisibleDevicesAre) {
+  const std::string ids = ChildParam("KILN_TEST_EXPECT_BUS_IDS");
+  std::vector<int> expected;
+  for (size_t start = 0; start < ids.size();) {
+    const size_t comma = ids.find(',', start);
+    expected.push_back(std::stoi(ids.substr(start, comma - start)));
+    start = comma == std::string::npos ? ids.size() : comma + 1;
+  }
+  int count = -1;
+  ASSERT_KILN_OK(kilnGetDeviceCount(&count));
+  ASSERT_EQ(count, static_cast<int>(expected.size()));
+  for (int d = 0; d < count; ++d) {
+    kilnDeviceProp prop;
+    ASSERT_KILN_OK(kilnGetDeviceProperties(&prop, d));
+    EXPECT_EQ(prop.pciBusID, expected[static_cast<size_t>(d)]) << "device " << d;
+    ASSERT_KILN_OK(kilnSetDevice(d));
+    void* p = nullptr;
+    ASSERT_KILN_OK(kilnMalloc(&p, 64));
+    kilnPointerAttributes a;
+    ASSERT_KILN_OK(kilnPointerGetAttributes(&a, p));
+    EXPECT_EQ(a.device, d);
+    ASSERT_KILN_OK(kilnFree(p));
+  }
+  EXPECT_KILN_ERR(kilnSetDevice(count), kilnErrorInvalidDevice);
+  if (std::getenv("KILN_VISIBLE_DEVICES") != nullptr) {
+    EXPECT_NE(LastMessage().find("KILN_VISIBLE_DEVICES='"), std::string::npos) << LastMessage();
+  }
 }
 
 // With no devices, device calls fail cleanly and say why.
@@ -146,6 +180,49 @@ INSTANTIATE_TEST_SUITE_P(Values, DeviceCountEnv,
 
 TEST(DeviceCountEnvZero, NoDevicesFailCleanly) {
   ExpectChildPasses("ChildEnv.NoDevices", {{"KILN_DEVICE_COUNT", "0"}});
+}
+
+struct VisibleCase {
+  const char* count;    // KILN_DEVICE_COUNT
+  const char* visible;  // KILN_VISIBLE_DEVICES
+  const char* bus_ids;  // the devices seen, by index among KILN_DEVICE_COUNT
+};
+
+void PrintTo(const VisibleCase& c, std::ostream* os) {
+  *os << "KILN_DEVICE_COUNT=" << c.count << " KILN_VISIBLE_DEVICES='" << c.visible << "' -> ["
+      << c.bus_ids << "]";
+}
+
+class VisibleDevicesEnv : public testing::TestWithParam<VisibleCase> {};
+
+// CUDA_VISIBLE_DEVICES's rules (Note [KILN_VISIBLE_DEVICES] in env.cc).
+TEST_P(VisibleDevicesEnv, SelectsAndRenumbersAsCudaVisibleDevices) {
+  const VisibleCase c = GetParam();
+  ExpectChildPasses("ChildEnv.VisibleDevicesAre",
+                    {{"KILN_DEVICE_COUNT", std::string(c.count)},
+                     {"KILN_VISIBLE_DEVICES", std::string(c.visible)},
+                     {"KILN_TEST_EXPECT_BUS_IDS", std::string(c.bus_ids)}});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Values, VisibleDevicesEnv,
+    testing::Values(VisibleCase{"2", "1", "1"}, VisibleCase{"2", "1,0", "1,0"},
+                    VisibleCase{"4", "3,1", "3,1"}, VisibleCase{"2", "", ""},
+                    VisibleCase{"2", "-1", ""}, VisibleCase{"3", "0,-1,1", "0"},
+                    VisibleCase{"2", "0,5,1", "0"}, VisibleCase{"2", "1,1", ""},
+                    VisibleCase{"3", "0,1,0", ""}, VisibleCase{"3", "1gpu,2", "1,2"},
+                    VisibleCase{"2", " 1 , 0 ", "1,0"}, VisibleCase{"2", "GPU-1234", ""},
+                    VisibleCase{"2", "x,0", ""}, VisibleCase{"2", "00001", "1"},
+                    VisibleCase{"2", "0,99999999999999999999999", "0"},
+                    VisibleCase{"2", "0,-1,0", "0"}),
+    [](const auto& p) {
+      return std::string("count") + p.param.count + "_" + NameFor(p.param.visible);
+    });
+
+TEST(VisibleDevicesEnvUnset, EveryDeviceInOrder) {
+  ExpectChildPasses("ChildEnv.VisibleDevicesAre", {{"KILN_DEVICE_COUNT", "3"},
+                                                    {"KILN_VISIBLE_DEVICES", std::nullopt},
+                                                    {"KILN_TEST_EXPECT_BUS_IDS", "0,1,2"}});
 }
 
 struct InvalidCase {

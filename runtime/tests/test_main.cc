@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
     unsetenv("KILN_DEVICE_COUNT");
     unsetenv("KILN_DEVICE_MEMORY");
     unsetenv("KILN_LAUNCH_BLOCKING");
+    unsetenv("KILN_VISIBLE_DEVICES");
   }
 
   testing::InitGoogleTest(&argc, argv);

@@ -255,14 +255,18 @@ class _KilnDeviceProperties:
     are checked against (torch_kiln/kl/tile_model.py): ``tile_max_partition_dim``
     (largest leading tile dimension), ``tile_partitions``,
     ``tile_scratch_bytes_per_partition`` (on-chip scratch per partition, bytes)
-    and ``tile_dtypes`` (tuple of torch.dtype)."""
+    and ``tile_dtypes`` (tuple of torch.dtype). ``pci_bus_id`` (int) says
+    which of the ``KILN_DEVICE_COUNT`` devices this is, whatever number
+    ``KILN_VISIBLE_DEVICES`` gives it (as CUDA's names the board behind a
+    renumbered GPU)."""
 
-    def __init__(self, name: str, total_memory: int, multi_processor_count: int):
+    def __init__(self, name: str, total_memory: int, multi_processor_count: int, pci_bus_id: int):
         from torch_kiln.kl import tile_model
 
         self.name = name
         self.total_memory = total_memory
         self.multi_processor_count = multi_processor_count
+        self.pci_bus_id = pci_bus_id
         self.major, self.minor = _CAPABILITY
         self.tile_max_partition_dim = tile_model.MAX_PARTITION_DIM
         self.tile_partitions = tile_model.PARTITIONS
@@ -315,7 +319,25 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 _multiprocessing.register()  # kiln tensors on torch.multiprocessing queues
 
+# torch.kiln.FloatTensor, ..., BoolTensor: the legacy typed tensor classes, as
+# torch.cuda has them (Note [Legacy typed tensor classes] in
+# torch_kiln/csrc/python/LegacyTensorTypes.cc).
+_LEGACY_TENSOR_TYPES = (
+    "BFloat16Tensor",
+    "BoolTensor",
+    "ByteTensor",
+    "CharTensor",
+    "DoubleTensor",
+    "FloatTensor",
+    "HalfTensor",
+    "IntTensor",
+    "LongTensor",
+    "ShortTensor",
+)
+_C._add_legacy_tensor_types(sys.modules[__name__])
+
 __all__ = [
+    *_LEGACY_TENSOR_TYPES,
     "Event",
     "ExternalStream",
     "KilnError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -71,8 +72,11 @@ def _device_index(device: Any, optional: bool = False) -> int:
             # The same words as the C++ check (check_device_index in
             # KilnFunctions.cc), whichever API is given the bad index.
             devices = "device (kiln:0)" if count == 1 else f"devices (kiln:0 to kiln:{count - 1})"
+            visible = "" if os.environ.get("KILN_VISIBLE_DEVICES") is None else (
+                " (and KILN_VISIBLE_DEVICES which are visible)"
+            )
             raise RuntimeError(
                 f"Invalid device kiln:{index}: Kiln has {count} {devices}. Use an index in "
-                "that range, or set KILN_DEVICE_COUNT to change the number of devices."
+                f"that range, or set KILN_DEVICE_COUNT to change the number of devices{visible}."
             )
     return index

@@ -40,6 +40,7 @@ _HALF = (torch.bfloat16, torch.float16)
 FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
 INTERVAL_MASKS = True  # Note [kl interval masks]; off only to measure it
 HOIST_INVARIANT = True  # Note [kl program-invariant ops]; off only to measure it
+GEMM = True  # float32 kl.matmul through kl_gemm (oneDNN brgemm); off only to measure it
 
 PRELUDE = r"""
 #include <algorithm>
@@ -51,21 +52,19 @@ PRELUDE = r"""
 #include <memory>
 #include <string>
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/vec.h>
 #include <kiln/kernel.h>
 
-// BLAS's single-precision GEMM, column-major (libtorch_cpu exports it).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
 namespace {
 using KlVec = at::vec::Vectorized<float>;
-// c (m x n) = a (m x k) @ b (k x n), row-major and contiguous: column-major
-// BLAS computes c^T = b^T a^T.
-inline void kl_gemm(int m, int n, int k, const float* a, const float* b, float* c) {
-  const float one = 1.0f, zero = 0.0f;
-  sgemm_("N", "N", &n, &m, &k, &one, b, &n, a, &k, &zero, c, &n);
+// c (m x n) = a (m x k) @ b (k x n), all row-major and contiguous: oneDNN's
+// batch-reduce GEMM micro-kernel through ATen (at::native::cpublas::brgemm,
+// what PyTorch's CPU flash attention calls), about twice BLAS sgemm's speed
+// on attention's 64x64x64 blocks; ATen falls back to a reference GEMM where
+// oneDNN's kernel is unavailable.
+inline void kl_gemm(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, k, n, n, /*add_C=*/false, a, b, c, /*is_vnni=*/false);
 }
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
@@ -257,6 +256,8 @@ class _Emitter:
         self.scalars: list[ir.Value] = []
         self.counter = 0
         self.skip: set[int] = set()  # id()s of ops not to emit in the program body
+        self.streams = False  # whether some store may be a streaming one
+        self.gemm = False  # whether some kl.matmul calls kl_gemm
         for op in ir.walk(trace.block):
             v = op.result
             if v is None:
@@ -266,6 +267,8 @@ class _Emitter:
             elif needs_storage(v):
                 self.buffers[v.id] = (v, self.arena)
         self.defs = {op.result.id: op for op in ir.walk(trace.block) if op.result is not None}
+        self.accumulated: set[int] = set()  # reductions computed in their operand's loop
+        self.accumulated_by: dict[int, list] = {}  # operand id -> those reductions
         self.inlined, self.deferred = self._choose_inlined() if FUSE_ELEMENTWISE else (set(), set())
         for vid in self.inlined:
             del self.buffers[vid]
@@ -290,7 +293,12 @@ class _Emitter:
           enabled throughout, else into its buffer and then stored as before
           ("deferred": it keeps its buffer for that case).
 
-        Both are bit-identical to the unfused code: each element goes
+        And a stored tile read by last-axis float32 reductions later in its
+        block computes them in its own vector loop, storing each vector and
+        adding it to the reductions' accumulators ("accumulated": softmax's
+        exp and its row sum in one pass).
+
+        All are bit-identical to the unfused code: each element goes
         through the same vector instructions (the tail through the same
         partial loads), and a reduction combines the same values in the same
         order. Loop-carried tiles and tiles viewed by an alias keep their
@@ -340,6 +348,21 @@ class _Emitter:
             elif (cop.result is not None and cop.result.shape == v.shape
                   and self._vectorisable(cop)):
                 inlined.add(v.id)
+        # a stored tile read by later last-axis reductions of the same block
+        # (no loop in between) computes them in its own loop: one pass less
+        for op, block, pos in placed:
+            v = op.result
+            if (v.id not in self.buffers or v.id in inlined or v.id in deferred
+                    or v.id in keep or not self._vectorisable(op)):
+                continue
+            for cpos in range(pos + 1, len(block.ops)):
+                cop = block.ops[cpos]
+                if cop.kind == "for":
+                    break
+                if (cop.kind in ("sum", "max", "min") and cop.operands[0] is v
+                        and self._vector_reduction(cop) and cop.result.dtype == torch.float32):
+                    self.accumulated.add(cop.result.id)
+                    self.accumulated_by.setdefault(v.id, []).append(cop)
         return inlined, deferred
 
     _CONDITIONS = ("lt", "le", "gt", "ge")
@@ -397,6 +420,7 @@ class _Emitter:
             if v is None or v.id not in conditions or v.id in self.inlined:
                 continue
             if all((u.kind in ("load", "store") and pos == 1 and self._row_access(u))
+                   or (u.kind == "where" and pos == 0 and u.result.id in self.buffers)
                    or (u.result is not None and u.result.id in unused)
                    for u, pos in uses.get(v.id, [])):
                 unused.add(v.id)
@@ -566,6 +590,38 @@ class _Emitter:
         v, src = op.result, op.operands[0]
         self.assign(v, lambda idx: self.elem(src, idx), src.dtype)
 
+    def _where_interval(self, op):
+        """kl.where whose condition is an interval mask (Note [kl interval
+        masks]): per row, b before the interval, a in it, b after it, in
+        three loops without a select."""
+        v, (c, a, b) = op.result, op.operands
+        n = v.shape[-1]
+
+        def body(idx, flat):
+            inner = self.fresh("c")
+            mlo, mhi = self._interval_bounds(self.intervals[c.id], idx, inner, n)
+            row = f"{flat} * {n} + " if len(v.shape) > 1 else ""
+            compute = torch.float32 if v.dtype in _HALF else v.dtype
+            for lo, hi, src in (("0", mlo, b), (mlo, mhi, a), (mhi, str(n), b)):
+                value = convert(self.operand(src, idx + [inner], v.dtype), compute, v.dtype)
+                self.line(f"for (int64_t {inner} = {lo}; {inner} < {hi}; ++{inner}) "
+                          f"{v.name}[{row}{inner}] = {value};")
+        self.loops(list(v.shape[:-1]), body)
+
+    def _interval_bounds(self, interval, idx, inner, n) -> tuple[str, str]:
+        """Emits the row's interval [mlo, mhi) of an interval mask (its
+        comparisons' conjunction) at outer index ``idx``; returns the names."""
+        mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
+        self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
+        for cmp, lhs, rhs in interval:
+            (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
+            if cmp in ("gt", "ge"):  # a > b  <=>  b < a
+                (la, lc), (ra, rc) = (ra, rc), (la, lc)
+            # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
+            j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
+            self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+        return mlo, mhi
+
     def op_transpose(self, op):
         v, src = op.result, op.operands[0]
         self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
@@ -578,7 +634,7 @@ class _Emitter:
     _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
                    "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
                    "minimum": "at::vec::minimum({a}, {b})"}
-    _VEC_UNARY = {"exp": "{a}.exp()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
+    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "{a}.exp_u20()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
                   "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
                   "floor": "{a}.floor()", "abs": "{a}.abs()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
@@ -624,19 +680,55 @@ class _Emitter:
             return self._VEC_BINARY[op.kind].format(a=operand(a), b=operand(b))
         return self._VEC_UNARY[op.kind].format(a=operand(op.operands[0]))
 
-    def _vec_row(self, op, idx, dest, n) -> None:
-        """Emits row ``idx`` (outer indices) of vectorisable ``op``, ``n``
-        elements, stored from the pointer expression ``dest`` on."""
+    def _vec_row(self, op, idx, dest, n, streaming=False, flat=None) -> None:
+        """Emits row ``idx`` (outer indices; ``flat`` their flat offset) of
+        vectorisable ``op``, ``n`` elements, stored from the pointer
+        expression ``dest`` on (whole vectors with kiln::store_streaming if
+        ``streaming``: dest aligned); and the row's value of each reduction
+        accumulated into this op's loop (Note [kl elementwise fusion])."""
         ii = self.fresh("c")
         full = idx + [ii]
         count = f"({n} - {ii})"
         self.line(f"int64_t {ii} = 0;")
-        self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) "
-                  f"{self._vec_expr(op, full, None)}.store({dest} + {ii});")
+        expr = self._vec_expr(op, full, None)
+        reductions = list(self.accumulated_by.get(op.result.id, ())) if flat is not None else []
+        if reductions:
+            accs = []
+            for r in reductions:
+                _, init, _ = self._reduction_parts(r)
+                acc = self.fresh("vacc")
+                self.line(f"KlVec {acc}({init});")
+                accs.append(acc)
+            t = self.fresh("t")
+            steps = " ".join(f"{acc} = {self._VEC_COMBINE[r.kind].format(a=acc, b=t)};"
+                             for acc, r in zip(accs, reductions))
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {{ "
+                      f"const KlVec {t} = {expr}; {t}.store({dest} + {ii}); {steps} }}")
+            tail_start = self.fresh("tail")
+            self.line(f"const int64_t {tail_start} = {ii};")
+        else:
+            store = (f"kiln::store_streaming({dest} + {ii}, {expr});" if streaming
+                     else f"{expr}.store({dest} + {ii});")
+            self.line(f"for (; {ii} + KlVec::size() <= {n}; {ii} += KlVec::size()) {store}")
         # the tail: partial loads and stores (KlVec::loadu(p, count)), so
         # it rounds like the body
         self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({dest} + {ii}, "
                   f"{count});")
+        for acc, r in (zip(accs, reductions) if reductions else ()):
+            # as reduce() does: the lanes in order, then the tail elements
+            # (read back from the row just stored) one by one
+            acc_dtype, _, combine = self._reduction_parts(r)
+            lanes, total = self.fresh("lanes"), self.fresh("total")
+            self.line(f"float {lanes}[KlVec::size()];")
+            self.line(f"{acc}.store({lanes});")
+            self.line(f"float {total} = {lanes}[0];")
+            self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
+                      + combine.format(a=total, b=f"{lanes}[l]") + ";")
+            self.line(f"for (int64_t l = {tail_start}; l < {n}; ++l) {total} = "
+                      + combine.format(a=total, b=f"({dest})[l]") + ";")
+            rv = r.result
+            target = rv.name if rv.shape == () else f"{rv.name}[{flat}]"
+            self.line(f"{target} = {convert(total, acc_dtype, rv.dtype)};")
 
     def op_vector(self, op):
         v = op.result
@@ -645,7 +737,7 @@ class _Emitter:
 
         def body(idx, flat):
             row_flat = f"{flat} * {n}" if outer else "0"
-            self._vec_row(op, idx, f"{v.name} + {row_flat}", n)
+            self._vec_row(op, idx, f"{v.name} + {row_flat}", n, flat=flat if outer else "0")
         self.loops(outer, body)
 
     def op_elementwise(self, op):
@@ -658,11 +750,14 @@ class _Emitter:
             return
         if kind == "where":
             c, a, b = ops
+            if isinstance(c, ir.Value) and c.id in self.intervals and v.id in self.buffers:
+                self._where_interval(op)
+                return
             self.assign(v, lambda idx: f"({self.elem(c, idx)} ? {self.operand(a, idx, v.dtype)} "
                                        f": {self.operand(b, idx, v.dtype)})", v.dtype)
             return
-        if kind in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor", "abs",
-                    "invert"):
+        if kind in ("exp", "fast_exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor",
+                    "abs", "invert"):
             x = ops[0]
             ct = compute_type(v.dtype)
 
@@ -677,6 +772,8 @@ class _Emitter:
                         f"({a} < 0 ? -{a} : {a})"
                 if kind == "invert":
                     return f"(!{a})" if v.dtype == torch.bool else f"(~{a})"
+                if kind == "fast_exp":
+                    return f"std::exp({a})"
                 return f"std::{kind}({a})"
             self.assign(v, unary, v.dtype)
             return
@@ -705,9 +802,10 @@ class _Emitter:
 
     op_max = op_min = op_sum
 
-    def reduce(self, op):
-        v, x = op.result, op.operands[0]
-        axis, kind = op.attrs["axis"], op.kind
+    @staticmethod
+    def _reduction_parts(op):
+        """(accumulator dtype, C++ init, scalar combine format) of sum/max/min ``op``."""
+        x, kind = op.operands[0], op.kind
         if kind == "sum":
             acc_dtype = torch.float32 if x.dtype.is_floating_point else torch.int64
         else:
@@ -722,13 +820,24 @@ class _Emitter:
             else:
                 init = f"std::numeric_limits<{at}>::{'lowest' if kind == 'max' else 'max'}()"
             combine = "kl_" + ("maximum" if kind == "max" else "minimum") + f"<{at}>({{a}}, {{b}})"
+        return acc_dtype, init, combine
+
+    _VEC_COMBINE = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
+                    "min": "at::vec::minimum({a}, {b})"}
+
+    def reduce(self, op):
+        v, x = op.result, op.operands[0]
+        axis, kind = op.attrs["axis"], op.kind
+        if v.id in self.accumulated:
+            return  # computed in its operand's loop (Note [kl elementwise fusion])
+        acc_dtype, init, combine = self._reduction_parts(op)
+        at = CTYPE[acc_dtype]
         outer = [d for d in range(len(x.shape)) if d != axis]
         n = x.shape[axis]
         out_shape = [x.shape[d] for d in outer]
 
         if self._vector_reduction(op):
-            vcombine = {"sum": "({a} + {b})", "max": "at::vec::maximum({a}, {b})",
-                        "min": "at::vec::minimum({a}, {b})"}[kind]
+            vcombine = self._VEC_COMBINE[kind]
             fused = self.defs[x.id] if x.id in self.inlined else None  # Note [kl elementwise fusion]
 
             def vbody(idx, flat):
@@ -794,9 +903,9 @@ class _Emitter:
         v, (a, b) = op.result, op.operands
         m, k = a.shape
         n = b.shape[1]
-        if all(t.dtype == torch.float32 and t.id in self.buffers for t in (a, b)):
-            # float32 tiles in buffers (row-major, contiguous): BLAS's sgemm,
-            # the one torch.matmul on CPU tensors calls.
+        if GEMM and all(t.dtype == torch.float32 and t.id in self.buffers for t in (a, b)):
+            # float32 tiles in buffers (row-major, contiguous): kl_gemm
+            self.gemm = True
             self.line(f"kl_gemm({m}, {n}, {k}, {a.name}, {b.name}, {v.name});")
             return
         i, j, kk = self.fresh(), self.fresh(), self.fresh()
@@ -933,15 +1042,7 @@ class _Emitter:
                 self.line(f"kl_in_bounds({j}, {c}, {x}_sizes[{d}], {n}, &{lo}, &{hi});")
             enabled = "true" if mask is None else self.elem(mask, idx + [inner])
             if interval is not None:
-                mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
-                self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
-                for cmp, lhs, rhs in interval:
-                    (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
-                    if cmp in ("gt", "ge"):  # a > b  <=>  b < a
-                        (la, lc), (ra, rc) = (ra, rc), (la, lc)
-                    # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
-                    j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
-                    self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+                mlo, mhi = self._interval_bounds(interval, idx, inner, n)
                 enabled = f"({inner} >= {mlo} && {inner} < {mhi})"
                 out_of = f"({mlo} < {lo} || {mhi} > {hi})"
                 self.line(f"if (__builtin_expect({mlo} < {mhi} && {out_of}, 0)) {{")
@@ -1059,9 +1160,20 @@ class _Emitter:
             else:
                 fast = None
             if fast is not None:
+                self.streams = True
                 self.line(f"if ({' && '.join(fast)}) {{")
                 self.indent += 1
+                # a large output: streaming stores (kiln/kernel.h)
+                self.line(f"if ({x}_streaming && reinterpret_cast<uintptr_t>({row}) % "
+                          f"sizeof(KlVec) == 0) {{")
+                self.indent += 1
+                self._vec_row(deferred, idx, row, n, streaming=True)
+                self.indent -= 1
+                self.line("} else {")
+                self.indent += 1
                 self._vec_row(deferred, idx, row, n)
+                self.indent -= 1
+                self.line("}")
                 self.indent -= 1
                 self.line("} else {")
                 self.indent += 1
@@ -1176,6 +1288,13 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
             out.append(f"  int64_t {p.name}_strides[{max(ndim, 1)}] = {{0}};")
             out.append(f"  for (int d = 0; d < {ndim}; ++d) {{ {p.name}_sizes[d] = "
                        f"{p.name}_view.size(d); {p.name}_strides[d] = {p.name}_view.stride(d); }}")
+            if written:
+                out.append(f"  int64_t {p.name}_bytes = {dtype.itemsize};")
+                out.append(f"  for (int d = 0; d < {ndim}; ++d) {p.name}_bytes *= "
+                           f"{p.name}_sizes[d];")
+                out.append(f"  const bool {p.name}_streaming = {p.name}_bytes >= "
+                           f"kiln::kStreamingBytes;")
+                out.append(f"  (void){p.name}_streaming;")
             sig.append(f"{SIG_DTYPE[dtype]}[{','.join('*' * ndim)}]{'!' if written else ''} "
                        f"{p.name}")
             index += 1
@@ -1216,6 +1335,10 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
         out.append(f"      {CTYPE[v.dtype]} {v.name}{{}};")
     out += program_lines
     out.append("    }")
+    if e.streams:
+        out.append("    kiln::fence_streaming();")
+    if e.gemm:
+        out.append("    at::native::cpublas::brgemm_release(false);  // as ATen's flash attention")
     out.append("  });")
     out.append("}")
     signature = f"{kernel_name}({', '.join(sig)})"

@@ -8,7 +8,8 @@
  *
  * The reference device (runtime/src) is a software-defined accelerator on the
  * host CPU with the semantics of real hardware:
- *   - devices:  KILN_DEVICE_COUNT logical devices (default 2), numbered 0..n-1;
+ *   - devices:  KILN_DEVICE_COUNT logical devices (default 2), numbered 0..n-1,
+ *               of which KILN_VISIBLE_DEVICES may select and renumber some;
  *   - memory:   host RAM owned by the runtime, with a per-device capacity
  *               (KILN_DEVICE_MEMORY, default 16GiB); an allocation past the
  *               capacity fails with kilnErrorMemoryAllocation, never crashes;
@@ -135,9 +136,16 @@ typedef struct kilnDeviceProp {
   int multiProcessorCount;    /* host cores the device's kernels may use     */
   int streamPriorityLowest;   /* 0                                           */
   int streamPriorityHighest;  /* -1 (lower number = higher priority, as CUDA) */
+  int pciBusID;               /* the device's index among the KILN_DEVICE_COUNT
+                                 devices, whatever KILN_VISIBLE_DEVICES numbers
+                                 it (CUDA's pciBusID names the board)        */
 } kilnDeviceProp;
 
-/* Number of devices, from KILN_DEVICE_COUNT (default 2, allowed 0..64).
+/* Number of devices this process sees: KILN_DEVICE_COUNT (default 2, allowed
+ * 0..64), or as many of them as KILN_VISIBLE_DEVICES selects, numbered 0..n-1
+ * in its order (CUDA_VISIBLE_DEVICES's rules: an empty value selects none, the
+ * list ends at an entry that is not a non-negative number or is out of range,
+ * a repeated index selects none).
  * Fails with kilnErrorInitializationError if the environment is invalid. */
 KILN_API kilnError_t kilnGetDeviceCount(int* count);
 

@@ -165,6 +165,23 @@ at::Tensor emptyLike(const at::Tensor& layout_source, c10::ScalarType dtype, c10
       : at::empty(layout_source.sizes(), options);
 }
 
+// Runs right behind a host->device copy on its stream. If an earlier kernel
+// there failed, the runtime skips the copy and this task too: the
+// destination then holds its old bytes (or, fresh from the allocator, none),
+// and is marked so (Note [Results of failed kernels]) instead of being read
+// later, after the error was raised and caught, as if the copy had been made.
+struct HostCopySkipMark final : TaskBody {
+  explicit HostCopySkipMark(const at::Tensor& target) : target_data(target.storage().data()) {}
+  void run() override {}
+  void skipped() override {
+    const std::string& failure = lastKernelFailureOnThread();
+    c10::kiln::markFailedResult(
+        target_data, "the copy from host memory was skipped after an earlier kernel on its stream "
+                     "failed" + (failure.empty() ? std::string() : ": " + failure));
+  }
+  const void* target_data;
+};
+
 void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   const c10::DeviceGuard guard(dst.device());
   if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
@@ -185,11 +202,14 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   if (!non_blocking) {
     recordSyncOp("aten::_copy_from"); // may raise (sync debug mode): before the copy is queued
   }
+  if (bytes == target.storage().nbytes()) {
+    // Overwritten whole. Cleared before the copy is queued: if the copy is
+    // skipped, its check below marks the target again, possibly at once.
+    c10::kiln::clearFailedResult(target.storage().data());
+  }
   KILN_CHECK(kilnMemcpyAsync(target.data_ptr(), staged.const_data_ptr(), bytes,
                              kilnMemcpyHostToDevice, stream.stream()));
-  if (bytes == target.storage().nbytes()) {
-    c10::kiln::clearFailedResult(target.storage().data()); // overwritten whole
-  }
+  launchTaskBody(stream, "host copy check", std::make_unique<HostCopySkipMark>(target));
   if (!target.is_same(dst)) {
     launchDeviceCopy(dst, target, stream);
   }
@@ -201,6 +221,28 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
   }
   synchronizeProtectingPinned(stream, staged); // a blocking copy has completed when it returns
 }
+
+// Runs right before an asynchronous device->host copy, on its stream. The
+// program returned from the copy long ago and reads the host buffer after a
+// stream or event synchronization, so a source that a failure on another
+// stream (ordered before this one by an event) left without values must fail
+// this stream: its synchronization then raises, and the copy queued behind
+// this task is skipped, instead of the host buffer receiving bytes that were
+// never computed. Note [Results of failed kernels]
+struct HostCopySourceCheck final : TaskBody {
+  explicit HostCopySourceCheck(const at::Tensor& source)
+      : source_data(source.storage().data()), device(source.device()) {}
+  void run() override {
+    if (const auto reason = c10::kiln::failedResultReason(source_data)) {
+      TORCH_CHECK(false, "The values of the ", device.str(),
+                  " tensor copied to host memory with non_blocking=True were never computed: the "
+                  "device kernel that should have written them failed (", *reason,
+                  "); the copy was not made.");
+    }
+  }
+  const void* source_data;
+  c10::Device device;
+};
 
 // `sync_op` names the op counted as a sync op when the copy waits.
 void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_blocking,
@@ -226,11 +268,17 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
   if (waits) {
     recordSyncOp(sync_op); // may raise: before `landing` is written asynchronously
   }
-  KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
-                             kilnMemcpyDeviceToHost, stream.stream()));
   if (!waits) {
     // Note [Results of failed kernels]
     c10::kiln::checkNotFailedResult(src.storage().data(), src.device().index());
+    // The source may also be marked later, by a failure on another stream
+    // this one waits for: checked again when the copy runs (see the task).
+    launchTaskBody(stream, "aten::_copy_from (kiln to host)",
+                   std::make_unique<HostCopySourceCheck>(packed));
+  }
+  KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
+                             kilnMemcpyDeviceToHost, stream.stream()));
+  if (!waits) {
     protectPinned(dst, stream);
     return;
   }
@@ -246,16 +294,27 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
 // there failed, the runtime skips the copy and this task too; then the
 // destination never received the values, and is marked so (Note [Results of
 // failed kernels]) instead of being read later as if it had.
+//
+// It also carries a mark the source received after the copy was launched (a
+// failure on another stream of the source device that this stream waits for
+// by an event): the copy then moved bytes that were never computed, and the
+// destination must not be read as if they had been.
 struct PeerCopySkipMark final : TaskBody {
   PeerCopySkipMark(const at::Tensor& target, const at::Tensor& src)
-      : target_data(target.storage().data()), source(src.device()) {}
-  void run() override {}
+      : target_data(target.storage().data()), source_data(src.storage().data()),
+        source(src.device()) {}
+  void run() override {
+    if (const auto reason = c10::kiln::failedResultReason(source_data)) {
+      c10::kiln::markFailedResult(target_data, *reason); // the mark follows the data
+    }
+  }
   void skipped() override {
     c10::kiln::markFailedResult(
         target_data, "the copy from " + source.str() +
                          " was skipped because an earlier kernel on its stream failed");
   }
   const void* target_data;
+  const void* source_data;
   c10::Device source;
 };
 
@@ -289,7 +348,7 @@ void copyBetweenKilnDevices(const at::Tensor& src, const at::Tensor& dst) {
   checkSpanInStorage(target, bytes);
   KILN_CHECK(kilnMemcpyPeerAsync(target.data_ptr(), dst.device().index(), packed.const_data_ptr(),
                                  src.device().index(), bytes, src_stream.stream()));
-  launchTaskBody(src_stream, "peer copy check", std::make_unique<PeerCopySkipMark>(target, src));
+  launchTaskBody(src_stream, "peer copy check", std::make_unique<PeerCopySkipMark>(target, packed));
   KilnEvent copy_done;
   copy_done.record(src_stream);
   copy_done.block(dst_stream);

@@ -11,13 +11,19 @@
 // memory that was never written. Kiln therefore remembers the storages of
 // failed and skipped kernels:
 //   * a kernel that fails, or is skipped because an earlier one on its stream
-//     failed, marks the storages it writes (KernelLaunch);
+//     failed, marks the storages it writes (KernelLaunch); so does a copy
+//     from the host or another device that is skipped (Copy.cc);
 //   * a kernel launched with a marked input marks what it writes, so the mark
 //     follows the data (KernelLaunch::launch), and so does a kernel whose
 //     input is marked by the time it runs (a failure on another stream,
 //     ordered before it by an event); neither computes;
 //   * reading a marked storage back to the host (item(), .cpu(), printing,
-//     copies) raises a RuntimeError naming the original failure;
+//     copies) raises a RuntimeError naming the original failure; an
+//     asynchronous copy into pinned memory, whose source may be marked only
+//     by the time it runs, fails its stream then (Copy.cc,
+//     HostCopySourceCheck), so the synchronization the program waits on
+//     raises; a copy to another kiln device passes such a mark on to its
+//     destination (PeerCopySkipMark);
 //   * a storage's mark ends when its memory is allocated anew, when it is
 //     overwritten whole (fill_, zero_, copy_ from valid data), and when a
 //     kernel that wrote all of it without reading it (its fresh outputs, an

@@ -3,6 +3,7 @@
 #include "core/KilnFunctions.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -175,10 +176,15 @@ DeviceIndex device_count() noexcept {
 DeviceIndex device_count_ensure_non_zero() {
   const auto& r = deviceCountResult();
   TORCH_CHECK(r.status == kilnSuccess, "Kiln devices are unavailable: ", r.message);
-  TORCH_CHECK(
-      r.count > 0,
-      "No kiln devices: KILN_DEVICE_COUNT is 0. Set KILN_DEVICE_COUNT to a "
-      "positive number of devices (default 2).");
+  if (r.count == 0) {
+    const char* visible = std::getenv("KILN_VISIBLE_DEVICES");
+    TORCH_CHECK(visible == nullptr, "No kiln devices: KILN_VISIBLE_DEVICES='", visible,
+                "' makes none of the KILN_DEVICE_COUNT devices visible. Set it to a "
+                "comma-separated list of device indices, or unset it for all of them.");
+    TORCH_CHECK(false,
+                "No kiln devices: KILN_DEVICE_COUNT is 0. Set KILN_DEVICE_COUNT to a "
+                "positive number of devices (default 2).");
+  }
   return static_cast<DeviceIndex>(r.count);
 }
 
@@ -189,7 +195,9 @@ void check_device_index(DeviceIndex index) {
       "Invalid device kiln:", static_cast<int>(index), ": Kiln has ",
       static_cast<int>(count), count == 1 ? " device (kiln:0)" : " devices (kiln:0 to kiln:",
       count == 1 ? "" : std::to_string(count - 1), count == 1 ? "" : ")",
-      ". Use an index in that range, or set KILN_DEVICE_COUNT to change the number of devices.");
+      ". Use an index in that range, or set KILN_DEVICE_COUNT to change the number of devices",
+      std::getenv("KILN_VISIBLE_DEVICES") == nullptr ? "" : " (and KILN_VISIBLE_DEVICES which are visible)",
+      ".");
 }
 
 DeviceIndex current_device() {

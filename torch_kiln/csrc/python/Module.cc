@@ -25,6 +25,7 @@
 #include "python/GeneratedKernelBindings.h"
 #include "python/GraphBindings.h"
 #include "python/HostWaitInterrupts.h"
+#include "python/LegacyTensorTypes.h"
 #include "python/MemoryTools.h"
 #include "python/StorageSharing.h"
 #include "python/TerminateReport.h"
@@ -38,7 +39,7 @@ py::tuple deviceProperties(int device) {
   kilnDeviceProp prop{};
   KILN_CHECK(kilnGetDeviceProperties(&prop, device));
   return py::make_tuple(std::string(prop.name), static_cast<uint64_t>(prop.totalGlobalMem),
-                        prop.multiProcessorCount);
+                        prop.multiProcessorCount, prop.pciBusID);
 }
 
 py::object defaultGenerator(int device) {
@@ -78,6 +79,7 @@ PYBIND11_MODULE(_C, m) {
   torch_kiln::bindGeneratedKernels(m);
   torch_kiln::bindDistributed(m);
   torch_kiln::bindGraphs(m);
+  torch_kiln::bindLegacyTensorTypes(m);
 
   m.def("_init", [] {
     torch::utils::register_fork_handler_for_device_init(at::kPrivateUse1);
