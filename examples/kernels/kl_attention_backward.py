@@ -23,8 +23,10 @@ Shapes: q, k, v, out, grad_out (batch * heads, seq, head_dim), float32,
 bfloat16 or float16 (all tile math in float32; results rounded once to the
 gradient's dtype at the store); lse and delta float32 (batch * heads, seq).
 Ragged seq: rows and keys past seq are masked off (loaded as 0, P = 0, not
-stored). head_dim is a kl.constexpr D: the kernels load k and v transposed as
-(D, BN) tiles, so D is at most the tile model's partition limit (128).
+stored). The exps are kl.fast_exp, as in the forward, so P is recomputed
+with the function that made L. head_dim is a kl.constexpr D: K_j^T and V_j^T
+are (D, BN) tiles (kl.transpose), so D is at most the tile model's partition
+limit (128).
 ``examples/kernels/kl_attention.py`` launches them (``causal_attention``'s
 autograd).
 """
@@ -54,10 +56,8 @@ def attention_backward_dkdv_kernel(grad_k, grad_v, q, k, v, grad_out, lse, delta
     rn = start_n + kl.arange(0, BN)
     rd = kl.arange(0, D)
     keys = rn[:, None] < seq
-    kt = kl.load(k, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq,
-                 other=0.0).to(kl.float32)  # K_j^T, (D, BN)
-    vt = kl.load(v, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq,
-                 other=0.0).to(kl.float32)  # V_j^T, (D, BN)
+    kj = kl.load(k, (bh, rn[:, None], rd[None, :]), mask=keys, other=0.0).to(kl.float32)
+    vj = kl.load(v, (bh, rn[:, None], rd[None, :]), mask=keys, other=0.0).to(kl.float32)
     dk = kl.zeros((BN, D), kl.float32)
     dv = kl.zeros((BN, D), kl.float32)
     # Query blocks from the diagonal on: queries before start_n see none of
@@ -71,11 +71,11 @@ def attention_backward_dkdv_kernel(grad_k, grad_v, q, k, v, grad_out, lse, delta
                      other=0.0).to(kl.float32)  # (BM, D)
         l_i = kl.load(lse, (bh, rm), mask=rm < seq, other=0.0)  # (BM,)
         d_i = kl.load(delta, (bh, rm), mask=rm < seq, other=0.0)  # (BM,)
-        s = kl.matmul(qs, kt)  # (BM, BN)
+        s = kl.matmul(qs, kl.transpose(kj))  # (BM, BN)
         valid = (rm[:, None] >= rn[None, :]) & rows  # causal, so keys < seq too
-        p = kl.where(valid, kl.exp(s - l_i[:, None]), 0.0)
+        p = kl.where(valid, kl.fast_exp(s - l_i[:, None]), 0.0)
         dv = dv + kl.matmul(kl.transpose(p), do)
-        dp = kl.matmul(do, vt)  # (BM, BN)
+        dp = kl.matmul(do, kl.transpose(vj))  # (BM, BN)
         ds = p * (dp - d_i[:, None])
         dk = dk + kl.matmul(kl.transpose(ds), qs)
     kl.store(grad_k, (bh, rn[:, None], rd[None, :]), dk, mask=keys)
@@ -100,14 +100,13 @@ def attention_backward_dq_kernel(grad_q, q, k, v, grad_out, lse, delta, seq, sca
     end = kl.minimum(seq, start_m + BM)  # key blocks up to the diagonal
     for n0 in kl.range(0, end, BN):
         rn = n0 + kl.arange(0, BN)
-        kt = kl.load(k, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq,
-                     other=0.0).to(kl.float32)  # K_j^T, (D, BN)
-        vt = kl.load(v, (bh, rn[None, :], rd[:, None]), mask=rn[None, :] < seq,
-                     other=0.0).to(kl.float32)  # V_j^T, (D, BN)
-        s = kl.matmul(qs, kt)
+        keys = rn[:, None] < seq
+        kj = kl.load(k, (bh, rn[:, None], rd[None, :]), mask=keys, other=0.0).to(kl.float32)
+        vj = kl.load(v, (bh, rn[:, None], rd[None, :]), mask=keys, other=0.0).to(kl.float32)
+        s = kl.matmul(qs, kl.transpose(kj))  # (BM, BN)
         valid = (rm[:, None] >= rn[None, :]) & rows  # causal, so keys < seq too
-        p = kl.where(valid, kl.exp(s - l_i[:, None]), 0.0)
-        dp = kl.matmul(do, vt)
+        p = kl.where(valid, kl.fast_exp(s - l_i[:, None]), 0.0)
+        dp = kl.matmul(do, kl.transpose(vj))
         ds = p * (dp - d_i[:, None])
-        dq = dq + kl.matmul(ds, kl.transpose(kt))
+        dq = dq + kl.matmul(ds, kj)
     kl.store(grad_q, (bh, rm[:, None], rd[None, :]), dq * scale, mask=rows)
