@@ -1,6 +1,7 @@
-"""Causal attention forward in the kl tile language, flash-attention style:
+"""Causal attention in the kl tile language, flash-attention style (the
+forward kernel here, the backward kernels in kl_attention_backward.py):
 out = softmax(q @ k^T * scale + causal mask) @ v for q, k, v of shape
-(batch * heads, seq, head_dim), float32 or bfloat16, as
+(batch * heads, seq, head_dim), float32, bfloat16 or float16, as
 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).
 
 Each program takes BM queries of one (batch, head) and walks the key tiles
