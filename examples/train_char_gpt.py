@@ -7,6 +7,7 @@ accelerator run: it comes from --device, by default the current accelerator
     python examples/train_char_gpt.py                     # on kiln, 500 steps
     python examples/train_char_gpt.py --device cpu        # the same on CPU
     python examples/train_char_gpt.py --max-steps 100 --json run.json
+    python examples/train_char_gpt.py --kl-attention      # attention in kl kernels
     KILN_DEVICE_COUNT=2 torchrun --standalone --nproc_per_node=2 \
         examples/train_char_gpt.py --parallel fsdp    # ddp | fsdp | tp | fsdp+tp
 
@@ -20,10 +21,17 @@ the same global batch (examples/parallelism.py). Data:
 data/tinyshakespeare.txt (1.1 MB), first 90% for training, the rest for
 validation; batches of --block-size characters.
 
+--kl-attention replaces scaled_dot_product_attention by the causal
+flash-attention kernels written in Kiln's kl tile language
+(examples/kernels/kl_attention.py: the forward, and FlashAttention-2's
+backward in kl_attention_backward.py; docs/kernels.md), on kiln (compiled
+kernels) or CPU tensors (the kl simulator, slow). The losses track the SDPA
+run's closely, not bit for bit (another summation order).
+
 With --json PATH it writes {"device", "seed", "steps" (per-step training
 losses), "val_loss" (mean cross-entropy in nats on 20 validation batches),
 "tokens_per_s" (training tokens per second), "seconds" (training wall time),
-"compile", "parallel", "world_size"}; under --parallel rank 0 writes it, with
+"compile", "parallel", "world_size", "kl_attention"}; under --parallel rank 0 writes it, with
 the losses over the global batch.
 """
 
@@ -42,10 +50,16 @@ import torch.nn.functional as F
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "tinyshakespeare.txt")
 
 
+def causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, attention=causal_sdpa):
         super().__init__()
         self.head_dim = width // heads
+        # attention(q, k, v) -> causal attention of (batch, heads, time, head_dim)
+        self.attention = attention
         self.ln1 = nn.LayerNorm(width)
         # Separate query, key and value projections (not one fused qkv) so
         # that tensor parallelism can split them by heads (--parallel tp).
@@ -60,18 +74,19 @@ class Block(nn.Module):
         # -1: the heads this process holds (all of them unless --parallel tp).
         q, k, v = (f(h).view(batch, time_, -1, self.head_dim).transpose(1, 2)
                    for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attention(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(batch, time_, -1))
         return x + self.mlp(self.ln2(x))
 
 
 class CharGPT(nn.Module):
-    def __init__(self, vocab: int, block_size: int, width: int, layers: int, heads: int):
+    def __init__(self, vocab: int, block_size: int, width: int, layers: int, heads: int,
+                 attention=causal_sdpa):
         super().__init__()
         self.block_size = block_size
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(block_size, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(width, heads, attention) for _ in range(layers)])
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.token.weight  # weight tying
@@ -147,10 +162,17 @@ def main() -> None:
     parser.add_argument("--parallel", choices=["ddp", "fsdp", "tp", "fsdp+tp"], default=None,
                         help="train across the ranks of a torchrun job (examples/parallelism.py); "
                              "--batch-size stays the global batch")
+    parser.add_argument("--kl-attention", action="store_true",
+                        help="attention (forward and backward) by the kl tile-language kernels of "
+                             "examples/kernels/kl_attention.py instead of "
+                             "scaled_dot_product_attention")
     parser.add_argument("--json", default=None, help="write the run's results to this file")
     args = parser.parse_args()
     if args.width % args.heads:
         parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.kl_attention and args.width // args.heads > 128:
+        parser.error(f"--kl-attention: the head size --width / --heads is "
+                     f"{args.width // args.heads}; the kl attention kernels allow at most 128")
     if args.parallel and (args.amp or args.compile):
         parser.error(f"--parallel {args.parallel} does not combine with --amp or --compile yet")
     device = torch.device(args.device)
@@ -175,8 +197,14 @@ def main() -> None:
         parser.error(f"--block-size {args.block_size} must be below the validation text's "
                      f"{len(val_data)} characters")
 
+    attention = causal_sdpa
+    if args.kl_attention:
+        from kernels import kl_attention  # examples/kernels, next to this script
+
+        attention = kl_attention.causal_attention
     torch.manual_seed(args.seed)
-    model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads).to(device)
+    model = CharGPT(len(chars), args.block_size, args.width, args.layers, args.heads,
+                    attention).to(device)
     step_model = torch.compile(model, backend=args.compile) if args.compile else model
     if par is not None:
         step_model = parallelism.parallelize(model, par)
@@ -189,6 +217,7 @@ def main() -> None:
            f"{len(chars)} characters, {len(train_data)} training tokens"
            + (f", autocast {args.amp}" if args.amp else "")
            + (f", compiled ({args.compile})" if args.compile else "")
+           + (", kl attention" if args.kl_attention else "")
            + (f", {args.parallel} over {parallelism.dist.get_world_size()} ranks" if par else ""))
 
     losses: list[float] = []
@@ -220,7 +249,7 @@ def main() -> None:
     text_ids = sample(model, data[:1], args.sample_length, device)
     report("sample:\n" + "".join(chars[i] for i in text_ids))
     result = {"device": str(device), "seed": args.seed, "compile": args.compile,
-              "parallel": args.parallel,
+              "parallel": args.parallel, "kl_attention": args.kl_attention,
               "world_size": parallelism.dist.get_world_size() if par else 1, "steps": losses,
               "val_loss": val,
               "tokens_per_s": len(losses) * args.batch_size * args.block_size / seconds if seconds else 0.0,

@@ -59,6 +59,8 @@ def test_fashion_mnist_missing_data_is_a_clear_error(tmp_path):
     ("train_char_gpt.py", ["--epochs", "0"], "must be a positive integer, got 0"),
     ("train_char_gpt.py", ["--width", "130"], "must be a multiple of --heads 4"),
     ("train_char_gpt.py", ["--block-size", "200000"], "must be below the validation text"),
+    ("train_char_gpt.py", ["--kl-attention", "--width", "258", "--heads", "2"],
+     "the head size --width / --heads is 129; the kl attention kernels allow at most 128"),
 ])
 def test_examples_reject_bad_flags(script, args, message):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
@@ -126,6 +128,35 @@ def test_char_gpt_compiled_matches_eager_and_compiled_cpu(tmp_path):
     assert "compiled (inductor)" in out and runs["compiled"]["compile"] == "inductor"
     assert _relative_gap(runs["compiled"]["steps"], runs["eager"]["steps"]) <= 1e-4
     assert _relative_gap(runs["compiled"]["steps"], runs["cpu-compiled"]["steps"]) <= 1e-4
+
+
+def test_char_gpt_kl_attention_tracks_sdpa(tmp_path):
+    # --kl-attention: the kl flash-attention kernels (forward and
+    # FlashAttention-2's backward, examples/kernels/kl_attention*.py) instead
+    # of SDPA, on a block size (100) that is not a multiple of the kernels'
+    # 64-row blocks, so ragged tiles and the causal walk over two blocks run.
+    # float32 both ways, but the kernels sum scores, softmax rows and
+    # gradient matmuls in another order than ATen's SDPA, so the losses are
+    # not bit-identical: rounding differences of about 1e-7 relative per
+    # step (measured: at most 3e-7 over 40 steps) that training may grow.
+    # 1e-4 is the bound the compiled-vs-eager test above uses for the same
+    # kind of difference; a wrong gradient moves the losses past it within
+    # the 30 steps (measured: dQ without its 1/sqrt(head_dim) factor gives a
+    # gap of 1.3e-4 at step 8, 4.6e-3 at step 21).
+    small = ["--max-steps", "30", "--layers", "1", "--width", "64", "--block-size", "100",
+             "--batch-size", "8", "--sample-length", "20"]
+    env = {**os.environ, "KILN_KERNELS_CACHE_DIR": str(tmp_path / "kernels")}
+    runs = {}
+    for name, extra in (("sdpa", []), ("kl", ["--kl-attention"])):
+        (tmp_path / name).mkdir()
+        runs[name], out = run_example("train_char_gpt.py", tmp_path / name, "kiln", *small, *extra,
+                                      env=env)
+        assert len(runs[name]["steps"]) == 30
+    assert "kl attention" in out and runs["kl"]["kl_attention"] is True
+    assert runs["sdpa"]["kl_attention"] is False
+    assert _relative_gap(runs["kl"]["steps"], runs["sdpa"]["steps"]) <= 1e-4
+    assert abs(runs["kl"]["val_loss"] - runs["sdpa"]["val_loss"]) <= 1e-4 * runs["sdpa"]["val_loss"]
+    assert sum(runs["kl"]["steps"][-5:]) / 5 < runs["kl"]["steps"][0] / 2  # it trains
 
 
 def test_fashion_mnist_compiled_with_aot_eager_is_bit_identical(tmp_path):

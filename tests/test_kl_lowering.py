@@ -1,8 +1,8 @@
 """The kl lowering's optimisations never change a result: each example kernel
-(examples/kernels/kl_*.py) gives bit-identical outputs with every
-optimisation of torch_kiln/kl/lowering.py on (the default) and off, on
-ragged shapes (masked edges), full tiles, float32 and bfloat16, kiln:0 and
-kiln:1:
+(examples/kernels/kl_*.py, the attention backward's included) gives
+bit-identical outputs with every optimisation of torch_kiln/kl/lowering.py
+on (the default) and off, on ragged shapes (masked edges), full tiles,
+float32 and bfloat16, kiln:0 and kiln:1:
 
 - elementwise fusion, into elementwise ops, last-axis reductions and stores
   (Note [kl elementwise fusion]);
@@ -26,7 +26,8 @@ from kl_helpers import private_kernel_cache  # noqa: F401
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from examples.kernels import kl_attention, kl_matmul, kl_rms_norm, kl_softmax  # noqa: E402
+from examples.kernels import (kl_attention, kl_attention_backward, kl_matmul,  # noqa: E402
+                              kl_rms_norm, kl_softmax)
 
 SWITCHES = ("FUSE_ELEMENTWISE", "INTERVAL_MASKS", "HOIST_INVARIANT")
 
@@ -50,6 +51,15 @@ def run_with(monkeypatch, module, name, call, on: dict):
     return out.cpu()
 
 
+def attention_grads(q, k, v):
+    """dq, dk, dv of the kl causal attention (32x16 blocks: the key walk
+    starts off the query blocks' grid), flattened into one tensor."""
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+    out, lse = kl_attention.causal_attention_forward(q, k, v, 32, 16)
+    grads = kl_attention.causal_attention_backward(v.sin(), q, k, v, out, lse, 32, 16)
+    return torch.cat([g.flatten() for g in grads])
+
+
 CASES = {
     # name: (module, kernel attribute, inputs(dtype), call(inputs))
     "rms_norm": (kl_rms_norm, "rms_norm_kernel",
@@ -69,6 +79,14 @@ CASES = {
     "attention": (kl_attention, "attention_kernel",
                   lambda dt: tuple(randn(2, 3, 100, 16, dtype=dt, seed=s) for s in range(3)),
                   lambda q, k, v: kl_attention.causal_attention(q, k, v, block=(32, 32))),
+    # the backward's two loops: a runtime loop start (from the diagonal on),
+    # loop-invariant k/v tiles, several accumulators, transposes into matmul
+    "attention_backward_dkdv": (kl_attention_backward, "attention_backward_dkdv_kernel",
+                                lambda dt: tuple(randn(2, 3, 100, 16, dtype=dt, seed=s)
+                                                 for s in range(3)), attention_grads),
+    "attention_backward_dq": (kl_attention_backward, "attention_backward_dq_kernel",
+                              lambda dt: tuple(randn(2, 3, 100, 16, dtype=dt, seed=s)
+                                               for s in range(3)), attention_grads),
 }
 
 
@@ -122,7 +140,8 @@ def test_a_mask_read_as_a_value_is_still_computed(device, monkeypatch):
 def test_attention_causal_mask_is_an_interval_in_where():
     q = torch.randn(1, 64, 16, device="kiln")
     out = torch.empty_like(q)
-    src = kl_attention.attention_kernel.source(out, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
+    lse = torch.empty(1, 64, device="kiln")
+    src = kl_attention.attention_kernel.source(out, lse, q, q, q, 64, 0.25, BM=32, BN=32, D=16)
     body = src[src.index("KILN_KERNEL("):]
     assert "bool* __restrict" not in body
     assert body.count("kl_gemm(") == 2  # q @ k^T and p @ v through oneDNN's brgemm
