@@ -126,3 +126,52 @@ def test_attention_causal_mask_is_an_interval_in_where():
     body = src[src.index("KILN_KERNEL("):]
     assert "bool* __restrict" not in body
     assert body.count("kl_gemm(") == 2  # q @ k^T and p @ v through oneDNN's brgemm
+
+
+# Found by trying to break the optimisations (klbreak): xfail until fixed.
+
+@kl.jit
+def fast_exp_kernel(out, x, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    kl.store(out, cols, kl.fast_exp(kl.load(x, cols)))
+
+
+@pytest.mark.xfail(strict=True, reason="kl.fast_exp's exp_u20 vector path returns inf for NaN")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_fast_exp_propagates_nan(device):
+    x = torch.tensor([float("nan"), 0.0, 1.0, -1.0] * 4)  # 16: whole vectors
+    out = torch.zeros(16, device=device)
+    fast_exp_kernel[(1,)](out, x.to(device), BLOCK=16)
+    assert torch.isnan(out.cpu()[::4]).all(), out.cpu()
+
+
+@pytest.mark.xfail(strict=True, reason="kl.fast_exp's exp_u20 vector path flushes "
+                                       "exp(x) for x in about [-88.7, -86.6] to 0")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_fast_exp_near_the_float32_underflow(device):
+    # exp(-87) = 1.65e-38 and exp(-87.3) = 1.22e-38 are normal floats
+    x = torch.tensor([-87.0, -87.3, -86.8, -88.0] * 4)
+    out = torch.zeros(16, device=device)
+    fast_exp_kernel[(1,)](out, x.to(device), BLOCK=16)
+    ref = torch.exp(x)
+    assert torch.allclose(out.cpu(), ref, rtol=1e-5, atol=0), (out.cpu(), ref)
+
+
+@kl.jit
+def store_then_load_kernel(out, x, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    kl.store(out, cols, kl.full((BLOCK,), 3.0))
+    v = kl.load(x, cols)  # no program_id: program-invariant, but reads the store above
+    kl.store(out, cols + BLOCK, v + 1.0)
+
+
+@pytest.mark.xfail(strict=True, reason="Note [kl program-invariant ops] hoists a load of x "
+                                       "above a store to out when out and x are one tensor")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_load_after_a_store_to_the_same_tensor_reads_the_stored_value(device):
+    buf = torch.zeros(16, device=device)
+    store_then_load_kernel[(1,)](buf, buf, BLOCK=8)
+    simulated = torch.zeros(16)
+    store_then_load_kernel[(1,)](simulated, simulated, BLOCK=8)
+    assert simulated.tolist() == [3.0] * 8 + [4.0] * 8
+    assert buf.cpu().tolist() == simulated.tolist()
