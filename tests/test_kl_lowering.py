@@ -175,3 +175,32 @@ def test_a_load_after_a_store_to_the_same_tensor_reads_the_stored_value(device):
     store_then_load_kernel[(1,)](simulated, simulated, BLOCK=8)
     assert simulated.tolist() == [3.0] * 8 + [4.0] * 8
     assert buf.cpu().tolist() == simulated.tolist()
+
+
+@kl.jit
+def carried_limit_kernel(out, x, n, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    lim = n + 0
+    m = cols < lim  # made before the loop: cols < n in every iteration
+    v = kl.load(x, cols)
+    acc = kl.zeros((BLOCK,))
+    for k in kl.range(0, 3):
+        acc = acc + kl.load(x, cols, mask=m, other=0.0) + kl.where(m, v, 0.0)
+        kl.store(out, cols + BLOCK, acc, mask=m)
+        lim = lim + 2  # a loop-carried scalar the mask compares with
+    kl.store(out, cols, acc)
+
+
+@pytest.mark.xfail(strict=True, reason="Note [kl interval masks] recomputes a mask's interval "
+                                       "at its use from a loop-carried scalar's current value")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_an_interval_mask_made_before_a_loop_keeps_its_value_in_the_loop(device):
+    out = torch.zeros(32, device=device)
+    carried_limit_kernel[(1,)](out, torch.ones(16, device=device), 4, BLOCK=16)
+    expected = torch.zeros(32)
+    expected[:4] = 6.0
+    expected[16:20] = 6.0
+    simulated = torch.zeros(32)
+    carried_limit_kernel[(1,)](simulated, torch.ones(16), 4, BLOCK=16)
+    assert torch.equal(simulated, expected)
+    assert torch.equal(out.cpu(), expected), out.cpu()
