@@ -204,3 +204,25 @@ def test_an_interval_mask_made_before_a_loop_keeps_its_value_in_the_loop(device)
     carried_limit_kernel[(1,)](simulated, torch.ones(16), 4, BLOCK=16)
     assert torch.equal(simulated, expected)
     assert torch.equal(out.cpu(), expected), out.cpu()
+
+
+@kl.jit
+def tile3d_kernel(out, total, x, A: kl.constexpr, B: kl.constexpr, C: kl.constexpr):
+    a = kl.arange(0, A)[:, None, None]
+    b = kl.arange(0, B)[None, :, None]
+    c = kl.arange(0, C)[None, None, :]
+    v = kl.load(x, (a, b, c))
+    kl.store(out, (a, b, c), v * 2.0 + 1.0)
+    kl.store(total, (kl.arange(0, A)[:, None], kl.arange(0, B)[None, :]), kl.sum(v, axis=2))
+
+
+@pytest.mark.xfail(strict=True, reason="a row of a rank >= 3 tile is addressed as "
+                                       "'buf + i0 * B + i1 * n' ({flat} * {n} unparenthesised)")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_3d_tile_is_loaded_computed_and_stored_row_by_row(device):
+    x = torch.arange(60.0).reshape(3, 4, 5)
+    out = torch.zeros(3, 4, 5, device=device)
+    total = torch.zeros(3, 4, device=device)
+    tile3d_kernel[(1,)](out, total, x.to(device), A=3, B=4, C=5)
+    assert torch.equal(out.cpu(), x * 2 + 1), out.cpu()[0]
+    assert torch.equal(total.cpu(), x.sum(2))
