@@ -219,3 +219,94 @@ def test_a_loop_carried_reduction_of_an_invariant_tile_restarts_in_each_program(
     carried_sum_kernel[(8,)](out, doubled, w.to(device), 3, BLOCK=16)
     assert out.cpu().tolist() == [float(w.sum() * 2 + 3)] * 8
     assert torch.equal(doubled.cpu(), (w * 2).repeat(8))
+
+
+# Found by trying to break the optimisations (a helper's adversarial run).
+
+@kl.jit
+def fast_exp_kernel(out, x, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    kl.store(out, cols, kl.fast_exp(kl.load(x, cols)))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_fast_exp_propagates_nan(device):
+    x = torch.tensor([float("nan"), 0.0, 1.0, -1.0] * 4)  # 16: whole vectors
+    out = torch.zeros(16, device=device)
+    fast_exp_kernel[(1,)](out, x.to(device), BLOCK=16)
+    assert torch.isnan(out.cpu()[::4]).all(), out.cpu()
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_fast_exp_near_the_float32_underflow(device):
+    # exp(-87) = 1.65e-38 and exp(-87.3) = 1.22e-38 are normal floats
+    x = torch.tensor([-87.0, -87.3, -86.8, -88.0] * 4)
+    out = torch.zeros(16, device=device)
+    fast_exp_kernel[(1,)](out, x.to(device), BLOCK=16)
+    ref = torch.exp(x)
+    assert torch.allclose(out.cpu(), ref, rtol=1e-5, atol=0), (out.cpu(), ref)
+
+
+@kl.jit
+def store_then_load_kernel(out, x, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    kl.store(out, cols, kl.full((BLOCK,), 3.0))
+    v = kl.load(x, cols)  # no program_id: program-invariant, but reads the store above
+    kl.store(out, cols + BLOCK, v + 1.0)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_load_after_a_store_to_the_same_tensor_reads_the_stored_value(device):
+    buf = torch.zeros(16, device=device)
+    store_then_load_kernel[(1,)](buf, buf, BLOCK=8)
+    simulated = torch.zeros(16)
+    store_then_load_kernel[(1,)](simulated, simulated, BLOCK=8)
+    assert simulated.tolist() == [3.0] * 8 + [4.0] * 8
+    assert buf.cpu().tolist() == simulated.tolist()
+
+
+@kl.jit
+def carried_limit_kernel(out, x, n, BLOCK: kl.constexpr):
+    cols = kl.arange(0, BLOCK)
+    lim = n + 0
+    m = cols < lim  # made before the loop: cols < n in every iteration
+    v = kl.load(x, cols)
+    acc = kl.zeros((BLOCK,))
+    for k in kl.range(0, 3):
+        acc = acc + kl.load(x, cols, mask=m, other=0.0) + kl.where(m, v, 0.0)
+        kl.store(out, cols + BLOCK, acc, mask=m)
+        lim = lim + 2  # a loop-carried scalar the mask compares with
+    kl.store(out, cols, acc)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_an_interval_mask_made_before_a_loop_keeps_its_value_in_the_loop(device):
+    out = torch.zeros(32, device=device)
+    carried_limit_kernel[(1,)](out, torch.ones(16, device=device), 4, BLOCK=16)
+    expected = torch.zeros(32)
+    expected[:4] = 6.0
+    expected[16:20] = 6.0
+    simulated = torch.zeros(32)
+    carried_limit_kernel[(1,)](simulated, torch.ones(16), 4, BLOCK=16)
+    assert torch.equal(simulated, expected)
+    assert torch.equal(out.cpu(), expected), out.cpu()
+
+
+@kl.jit
+def tile3d_kernel(out, total, x, A: kl.constexpr, B: kl.constexpr, C: kl.constexpr):
+    a = kl.arange(0, A)[:, None, None]
+    b = kl.arange(0, B)[None, :, None]
+    c = kl.arange(0, C)[None, None, :]
+    v = kl.load(x, (a, b, c))
+    kl.store(out, (a, b, c), v * 2.0 + 1.0)
+    kl.store(total, (kl.arange(0, A)[:, None], kl.arange(0, B)[None, :]), kl.sum(v, axis=2))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_3d_tile_is_loaded_computed_and_stored_row_by_row(device):
+    x = torch.arange(60.0).reshape(3, 4, 5)
+    out = torch.zeros(3, 4, 5, device=device)
+    total = torch.zeros(3, 4, device=device)
+    tile3d_kernel[(1,)](out, total, x.to(device), A=3, B=4, C=5)
+    assert torch.equal(out.cpu(), x * 2 + 1), out.cpu()[0]
+    assert torch.equal(total.cpu(), x.sum(2))

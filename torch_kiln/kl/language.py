@@ -201,7 +201,8 @@ fast_exp = _unary_float("fast_exp")
 fast_exp.__doc__ = (
     "Elementwise exp, faster and less exact than kl.exp: float32 tiles use ATen's "
     "Vectorized<float>::exp_u20 (at most 20 ULP from the exact result; kl.exp is torch.exp's "
-    "1-ULP Sleef exp); other dtypes, scalars and the simulator use torch.exp. Integer tiles "
+    "1-ULP Sleef exp), NaN and inputs below -86 or above 88 Sleef's exp; other dtypes, "
+    "scalars and the simulator use torch.exp. Integer tiles "
     "give float32. Like Triton's tl.exp on GPUs, which is an approximate exp2.")
 
 

@@ -74,6 +74,15 @@ using KlVec = at::vec::Vectorized<float>;
 inline void kl_gemm(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
   at::native::cpublas::brgemm(m, n, k, k, n, n, /*add_C=*/false, a, b, c, /*is_vnni=*/false);
 }
+// kl.fast_exp: ATen's exp_u20, except where it is wrong (NaN gives inf, and
+// results near float32's underflow flush to 0): those lanes take Sleef's
+// exp, as kl.exp. -86 is below ln(2^-124); 88 is near ln(FLT_MAX).
+inline KlVec kl_fast_exp(const KlVec& x) {
+  const KlVec r = x.exp_u20();
+  const KlVec slow = x.isnan() | (x < KlVec(-86.0f)) | (x > KlVec(88.0f));
+  if (slow.zero_mask() == (1 << KlVec::size()) - 1) return r;  // no lane is slow
+  return KlVec::blendv(r, x.exp(), slow);
+}
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a > b ? a : b;
@@ -394,13 +403,19 @@ class _Emitter:
         Returns ({mask id: [(kind, lhs, rhs), ...]}, ids of values that need
         not be computed)."""
         conditions: dict[int, list] = {}
+        carried: set[int] = set()  # values a loop rewrites: not constant where the mask is used
+        for op in ir.walk(self.trace.block):
+            if op.kind == "for":
+                for outer, inner in op.attrs["loop"].carried:
+                    carried.update((outer.id, inner.id))
 
         def index_like(o):
             if isinstance(o, bool):
                 return False
             if isinstance(o, int):
                 return True
-            return (isinstance(o, ir.Value) and o.dtype == torch.int64
+            return (isinstance(o, ir.Value) and o.dtype == torch.int64 and o.id not in carried
+                    and (o.alias_of is None or o.alias_of.id not in carried)
                     and (o.shape == () or o.affine is not None or
                          (o.alias_of is not None and o.alias_of.shape == ())))
 
@@ -533,15 +548,29 @@ class _Emitter:
         lowering runs them once per parallel_for chunk, before the program
         loop, instead of once per program (RMSNorm's weight row, say).
         Loop-carried tiles (and what reads them) are not invariant: a loop
-        rewrites them in each program."""
+        rewrites them in each program. Nor is a load that comes after a
+        store in program order: it may read what the store wrote (a tensor
+        passed under two names). A hoisted load sees what other programs
+        stored before its chunk began; programs are unordered, as Triton's
+        and CUDA's blocks are, so a kernel must not depend on that either
+        way."""
         variant: set[int] = set()
         for op in ir.walk(self.trace.block):  # loop-carried tiles change in each program
             if op.kind == "for":
                 for outer, _ in op.attrs["loop"].carried:
                     variant.update((outer.id, (outer.alias_of or outer).id))
         hoisted: list[ir.Op] = []
+        stored = False  # a store came before, in program order
         for op in self.trace.block.ops:
+            if op.kind == "store" or (op.kind == "for" and any(
+                    o.kind == "store" for o in ir.walk(op.attrs["loop"].body))):
+                stored = True
             if op.result is not None and op.result.id in variant:
+                continue
+            if op.kind == "load" and stored:
+                # it may read what the store wrote (the same tensor under
+                # two names): it stays where it is
+                variant.add(op.result.id)
                 continue
             depends = any(isinstance(o, ir.Value) and (o.alias_of or o).id in variant
                           for o in op.operands)
@@ -613,7 +642,7 @@ class _Emitter:
         def body(idx, flat):
             inner = self.fresh("c")
             mlo, mhi = self._interval_bounds(self.intervals[c.id], idx, inner, n)
-            row = f"{flat} * {n} + " if len(v.shape) > 1 else ""
+            row = f"({flat}) * {n} + " if len(v.shape) > 1 else ""
             compute = torch.float32 if v.dtype in _HALF else v.dtype
             for lo, hi, src in (("0", mlo, b), (mlo, mhi, a), (mhi, str(n), b)):
                 value = convert(self.operand(src, idx + [inner], v.dtype), compute, v.dtype)
@@ -647,7 +676,7 @@ class _Emitter:
     _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
                    "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
                    "minimum": "at::vec::minimum({a}, {b})"}
-    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "{a}.exp_u20()", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
+    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "kl_fast_exp({a})", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
                   "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
                   "floor": "{a}.floor()", "abs": "{a}.abs()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
@@ -749,7 +778,7 @@ class _Emitter:
         outer = list(v.shape[:-1])
 
         def body(idx, flat):
-            row_flat = f"{flat} * {n}" if outer else "0"
+            row_flat = f"({flat}) * {n}" if outer else "0"
             self._vec_row(op, idx, f"{v.name} + {row_flat}", n, flat=flat if outer else "0")
         self.loops(outer, body)
 
@@ -1079,7 +1108,7 @@ class _Emitter:
                 target = None
                 if kind == "load":
                     v = op.result
-                    target = f"{v.name}[{flat} * {n} + {inner}]" if len(shape) > 1 else \
+                    target = f"{v.name}[({flat}) * {n} + {inner}]" if len(shape) > 1 else \
                         f"{v.name}[{inner}]"
                     other = self.elem(third, idx + [inner]) if isinstance(third, ir.Value) else \
                         self._element_literal(third, spec_dtype)
@@ -1190,7 +1219,7 @@ class _Emitter:
                 self.indent -= 1
                 self.line("} else {")
                 self.indent += 1
-            self._vec_row(deferred, idx, f"{third.name} + {flat} * {n}" if len(shape) > 1
+            self._vec_row(deferred, idx, f"{third.name} + ({flat}) * {n}" if len(shape) > 1
                           else third.name, n)
             finish()
             if fast is not None:
@@ -1225,7 +1254,7 @@ class _Emitter:
             return False
         if kind == "load":
             v = op.result
-            out = f"{v.name} + {flat} * {n}" if len(v.shape) > 1 else v.name
+            out = f"{v.name} + ({flat}) * {n}" if len(v.shape) > 1 else v.name
             self.line(f"kl_load_row<{ct}>({out}, {row}, {stp}, {lo}, {hi}, {n}, {mask_ptr}, "
                       f"{enabled}, {third});")
             return True
