@@ -341,6 +341,14 @@ def test_kiln_kernels_trace_with_symbolic_sizes(name):
                    for t in result for s in t.shape), "sizes were specialised"
 
 
+# Operators kiln registers that have no fake path in PyTorch on any device:
+# _nested_tensor_from_mask (nn.TransformerEncoder's fast path, Note
+# [nn.TransformerEncoder's nested fast path on kiln]) makes a nested tensor
+# whose sizes come from the mask's values; CPU and CUDA have no Meta kernel
+# for it either, so tracing it fails the same way on every device.
+NO_FAKE_PATH_IN_PYTORCH = ("aten::_nested_tensor_from_mask",)
+
+
 def test_every_kiln_kernel_has_a_fake_path():
     """Every aten operator kiln registers a PrivateUse1 kernel for has a Meta
     kernel, a composite kernel that serves Meta, or a decomposition
@@ -351,9 +359,12 @@ def test_every_kiln_kernel_has_a_fake_path():
     ops = [op for op in torch._C._dispatch_get_registrations_for_dispatch_key("PrivateUse1")
            if op.startswith("aten::")]
     assert len(ops) > 20
-    missing = [op for op in ops if not any(
+    missing = [op for op in ops if op not in NO_FAKE_PATH_IN_PYTORCH and not any(
         has(op, key) for key in ("Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))]
     assert missing == []
+    for op in NO_FAKE_PATH_IN_PYTORCH:  # still true of PyTorch, else drop it from the list
+        assert not any(has(op, key) for key in ("Meta", "CompositeExplicitAutograd",
+                                                "CompositeImplicitAutograd")), op
     mode = FakeTensorMode(shape_env=ShapeEnv())
     a, b = symbolic_inputs(mode, (3, 4), (2,))
     with mode:

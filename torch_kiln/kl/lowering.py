@@ -676,8 +676,8 @@ class _Emitter:
     _VEC_BINARY = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
                    "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
                    "minimum": "at::vec::minimum({a}, {b})"}
-    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "kl_fast_exp({a})", "log": "{a}.log()", "sqrt": "{a}.sqrt()",
-                  "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
+    _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "kl_fast_exp({a})", "log": "{a}.log()",
+                  "sqrt": "{a}.sqrt()", "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
                   "floor": "{a}.floor()", "abs": "{a}.abs()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
 
