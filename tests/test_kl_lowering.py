@@ -248,6 +248,40 @@ def test_fast_exp_near_the_float32_underflow(device):
     assert torch.allclose(out.cpu(), ref, rtol=1e-5, atol=0), (out.cpu(), ref)
 
 
+def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in float32 units in the last place (ordered bit patterns)."""
+    def ordered(t):
+        i = t.view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+@kl.jit
+def fast_exp_blocks_kernel(out, x, BLOCK: kl.constexpr):
+    cols = kl.program_id(0) * BLOCK + kl.arange(0, BLOCK)
+    kl.store(out, cols, kl.fast_exp(kl.load(x, cols)))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_fast_exp_is_within_5_ulp_on_a_dense_sweep(device):
+    # 2^20 floats spread over every exponent that matters: overflow, the
+    # normal range, the denormal results below exp(-87.34), and underflow to
+    # 0; plus the specials. The reference is exp in float64, rounded once.
+    x = torch.cat([torch.linspace(-110.0, 100.0, 1 << 20),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 88.7228, -103.97])])
+    n = x.numel() + (-x.numel()) % 1024  # whole blocks, padded with zeros
+    x = torch.cat([x, torch.zeros(n - x.numel())])
+    out = torch.empty(n, device=device)
+    fast_exp_blocks_kernel[(n // 1024,)](out, x.to(device), BLOCK=1024)
+    ref = torch.exp(x.double()).float()
+    got = out.cpu()
+    ulp = _ulp_distance(got, ref)
+    assert ulp.max().item() <= 5, (x[ulp.argmax()].item(), got[ulp.argmax()].item(),
+                                   ref[ulp.argmax()].item())
+    assert torch.equal(got[x == float("inf")], torch.tensor([float("inf")]))
+    assert torch.equal(got[x == -float("inf")], torch.tensor([0.0]))
+
+
 @kl.jit
 def store_then_load_kernel(out, x, BLOCK: kl.constexpr):
     cols = kl.arange(0, BLOCK)
