@@ -59,6 +59,12 @@ from torch_kiln.kiln import _grad_scaler_fix  # noqa: E402
 
 _grad_scaler_fix.install()
 
+# nn.DataParallel over kiln devices: torch.nn.parallel.comm's torch._C
+# primitives, which CPU builds of PyTorch lack (torch_kiln/kiln/_parallel_comm.py).
+from torch_kiln.kiln import _parallel_comm  # noqa: E402
+
+_parallel_comm.install()
+
 # --- torch.compile: Dynamo's device interface for kiln -----------------------
 # Registered when torch._dynamo.device_interface is first imported, so that
 # `import torch` does not pay for importing Dynamo

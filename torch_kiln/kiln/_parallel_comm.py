@@ -1,0 +1,255 @@
+"""torch.nn.parallel.comm's device primitives for kiln devices, so that
+``nn.DataParallel`` (and ``torch.nn.parallel.comm.broadcast``/``scatter``/
+``gather`` called directly) work over kiln devices as over CUDA ones.
+
+``torch.nn.parallel.comm`` turns its arguments into device indices and then
+calls ``torch._C._broadcast``, ``_broadcast_out``, ``_broadcast_coalesced``,
+``_scatter``, ``_scatter_out``, ``_gather`` and ``_gather_out``: C++ of CUDA
+builds only (torch/csrc/cuda/comm.cpp), which CPU builds of PyTorch lack, so
+DataParallel failed with ``AttributeError: module 'torch._C' has no attribute
+'_scatter'``. ``install()`` (called once by ``import torch_kiln``) sets each of
+them on ``torch._C`` to a function that does the kiln case here and hands
+every other case to the original (on a CUDA build) or raises a clear error
+(on a CPU build, which has no devices for them).
+
+The kiln versions follow comm.cpp's semantics, with kiln copies (tasks on the
+current streams, ``non_blocking=True`` as there): broadcast returns the
+source tensor itself for ``devices[0]`` and copies for the others;
+broadcast_coalesced flattens tensors into buffers of at most
+``buffer_size`` bytes per dtype, copies those, and gives each unflattened
+output its own version counter (comm.cpp's Note [Version Counter in
+comm.*_coalesced]); scatter splits along ``dim`` (``chunk_sizes`` or
+``tensor.chunk``) and copies chunk i to ``devices[i]``, on ``streams[i]`` when
+given; gather concatenates along ``dim`` onto kiln ``destination`` (None: the
+current device; -1: the CPU). Integer device indices are kiln's when a tensor
+involved is on kiln, or when it is on the CPU and kiln is the current
+accelerator (``torch.accelerator.current_accelerator()``, as DataParallel's
+own device choice).
+
+Errors: ``RuntimeError`` (comm.cpp's messages, plus which kiln devices exist)
+for a broadcast source not on ``devices[0]``, chunk sizes that do not sum to
+the size of ``dim`` or are not positive, a stream of another device, inputs
+to gather on several device types or of mismatched shapes, and a device
+index out of range.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
+
+_NAMES = ("_broadcast", "_broadcast_out", "_broadcast_coalesced", "_scatter", "_scatter_out",
+          "_gather", "_gather_out")
+
+
+def _kiln(index: int) -> torch.device:
+    count = torch.kiln.device_count()
+    if not isinstance(index, int) or not 0 <= index < count:
+        raise RuntimeError(f"torch.nn.parallel.comm: kiln device index {index!r} is out of "
+                           f"range; this process has kiln devices 0 to {count - 1}")
+    return torch.device("kiln", index)
+
+
+def _is_kiln(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "kiln"
+
+
+def _current_accelerator_is_kiln() -> bool:
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == "kiln"
+
+
+def _for_kiln(tensors) -> bool:
+    """Whether a call on these tensors (and integer device indices) is kiln's."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if any(_is_kiln(t) for t in tensors):
+        return True
+    return all(t.device.type == "cpu" for t in tensors) and _current_accelerator_is_kiln()
+
+
+def broadcast(tensor: torch.Tensor, devices) -> list[torch.Tensor]:
+    """comm.broadcast: ``tensor`` on each kiln device of ``devices`` (ints);
+    for ``devices[0]``, ``tensor`` itself when it is on it."""
+    targets = [_kiln(d) for d in devices]
+    if _is_kiln(tensor) and tensor.device != targets[0]:
+        raise RuntimeError(f"broadcast: the device of the broadcast tensor ({tensor.device}) "
+                           f"must appear as the first on the devices list, got {list(devices)}")
+    outputs = [tensor] if _is_kiln(tensor) else []
+    for device in targets[len(outputs):]:
+        outputs.append(tensor.to(device, non_blocking=True, copy=True))
+    return outputs
+
+
+def broadcast_out(tensor: torch.Tensor, out) -> list[torch.Tensor]:
+    """comm.broadcast(out=...): copies ``tensor`` into each tensor of ``out``."""
+    for o in out:
+        if o.shape != tensor.shape:
+            raise RuntimeError(f"broadcast: an output tensor has shape {tuple(o.shape)}, "
+                               f"expected the input's {tuple(tensor.shape)}")
+        o.copy_(tensor, non_blocking=True)
+    return list(out)
+
+
+def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.Tensor]]:
+    """comm.broadcast_coalesced: ``outputs[i][j]`` is ``tensors[j]`` on
+    ``devices[i]``; ``outputs[0]`` are ``tensors`` themselves."""
+    targets = [_kiln(d) for d in devices]
+    for t in tensors:
+        if t.device != targets[0]:
+            raise RuntimeError(f"broadcast_coalesced: all tensors must be on devices[0] "
+                               f"({targets[0]}), got one on {t.device}")
+    outputs: list[list[torch.Tensor]] = [list(tensors)]
+    copied: list[dict[int, torch.Tensor]] = [{} for _ in targets]  # id(input) -> its copy
+    for chunk in _take_tensors(list(tensors), buffer_size):  # one dtype and layout per chunk
+        if chunk[0].is_sparse:
+            raise RuntimeError("broadcast_coalesced: sparse tensors are not supported on kiln")
+        copies = broadcast(_flatten_dense_tensors(chunk), devices)
+        for i in range(1, len(targets)):
+            # .data: each output its own version counter (Note [Version Counter
+            # in comm.*_coalesced] in torch/csrc/cuda/comm.cpp)
+            for t, out in zip(chunk, _unflatten_dense_tensors(copies[i], chunk)):
+                copied[i][id(t)] = out.data
+    # (_take_tensors groups by dtype: each device's list is put back in input order)
+    outputs.extend([copied[i][id(t)] for t in tensors] for i in range(1, len(targets)))
+    return outputs
+
+
+def _chunks(tensor: torch.Tensor, count: int, chunk_sizes, dim: int) -> list[torch.Tensor]:
+    if chunk_sizes is None:
+        return list(tensor.chunk(count, dim))
+    chunk_sizes = list(chunk_sizes)
+    if sum(chunk_sizes) != tensor.size(dim):
+        raise RuntimeError(f"scatter: given chunk sizes don't sum up to the tensor's size "
+                           f"(sum(chunk_sizes) == {sum(chunk_sizes)}, but expected "
+                           f"{tensor.size(dim)})")
+    if any(size <= 0 for size in chunk_sizes):
+        raise RuntimeError(f"scatter: chunk sizes must be positive, got {chunk_sizes}")
+    return list(tensor.split(chunk_sizes, dim))
+
+
+def _copy_on(stream, index: int, device: torch.device, copy):
+    if stream is None:
+        return copy()
+    if stream.device != device:
+        raise RuntimeError(f"scatter: expected the device associated with the stream at index "
+                           f"{index} (was {stream.device}) to match the device supplied at "
+                           f"that index (expected {device})")
+    with torch.kiln.stream(stream):
+        return copy()
+
+
+def scatter(tensor: torch.Tensor, devices, chunk_sizes, dim: int, streams) -> list[torch.Tensor]:
+    """comm.scatter: ``tensor`` split along ``dim``, chunk i on kiln ``devices[i]``
+    (copied on ``streams[i]`` when given)."""
+    targets = [_kiln(d) for d in devices]
+    chunks = _chunks(tensor, len(targets), chunk_sizes, dim)
+    out = []
+    for i, chunk in enumerate(chunks):
+        stream = streams[i] if streams is not None else None
+        out.append(_copy_on(stream, i, targets[i],
+                            lambda c=chunk, d=targets[i]: c.contiguous().to(d, non_blocking=True)))
+    return out
+
+
+def scatter_out(tensor: torch.Tensor, out, dim: int, streams) -> list[torch.Tensor]:
+    """comm.scatter(out=...): chunk i (sized as ``out[i]`` along ``dim``) copied
+    into ``out[i]``."""
+    sizes = [o.size(dim) for o in out]
+    chunks = _chunks(tensor, len(out), sizes, dim)
+    for i, (chunk, o) in enumerate(zip(chunks, out)):
+        if o.shape != chunk.shape:
+            raise RuntimeError(f"scatter: output {i} has shape {tuple(o.shape)}, expected "
+                               f"{tuple(chunk.shape)}")
+        stream = streams[i] if streams is not None else None
+        _copy_on(stream, i, o.device, lambda c=chunk, o=o: o.copy_(c, non_blocking=True))
+    return list(out)
+
+
+def _gathered_shape(tensors, dim: int) -> list[int]:
+    if not tensors:
+        raise RuntimeError("gather: expected at least one tensor to gather from")
+    first = tensors[0]
+    if any(t.device.type != "kiln" for t in tensors):
+        raise RuntimeError(f"gather: expects all inputs on kiln devices, got "
+                           f"{[str(t.device) for t in tensors]}")
+    dim = dim + first.dim() if dim < 0 else dim
+    total = 0
+    for t in tensors:
+        if t.dim() != first.dim() or any(t.size(d) != first.size(d)
+                                         for d in range(first.dim()) if d != dim):
+            raise RuntimeError(f"gather: got an input of invalid size: got {tuple(t.shape)}, "
+                               f"but expected {tuple(first.shape)} except in dim {dim}")
+        total += t.size(dim)
+    shape = list(first.shape)
+    shape[dim] = total
+    return shape
+
+
+def gather(tensors, dim: int, destination) -> torch.Tensor:
+    """comm.gather: ``tensors`` concatenated along ``dim`` on kiln ``destination``
+    (None: the current kiln device; -1: the CPU)."""
+    shape = _gathered_shape(list(tensors), dim)
+    if destination == -1:
+        device = torch.device("cpu")
+    else:
+        device = _kiln(torch.kiln.current_device() if destination is None else destination)
+    result = torch.empty(shape, dtype=tensors[0].dtype, device=device)
+    return gather_out(tensors, result, dim)
+
+
+def gather_out(tensors, out: torch.Tensor, dim: int) -> torch.Tensor:
+    """comm.gather(out=...): ``tensors`` concatenated along ``dim`` into ``out``."""
+    shape = _gathered_shape(list(tensors), dim)
+    if list(out.shape) != shape:
+        raise RuntimeError(f"gather: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    dim = dim + out.dim() if dim < 0 else dim
+    start = 0
+    for t in tensors:
+        out.narrow(dim, start, t.size(dim)).copy_(t, non_blocking=True)
+        start += t.size(dim)
+    return out
+
+
+_KILN = {"_broadcast": broadcast, "_broadcast_out": broadcast_out,
+         "_broadcast_coalesced": broadcast_coalesced, "_scatter": scatter,
+         "_scatter_out": scatter_out, "_gather": gather, "_gather_out": gather_out}
+
+
+def _tensors_of(name: str, args) -> list:
+    """The tensors whose devices decide whose call this is."""
+    first = args[0] if args else None
+    if name in ("_broadcast_coalesced", "_gather", "_gather_out"):
+        tensors = list(first or ())
+        if name == "_gather_out" and len(args) > 1:
+            tensors.append(args[1])
+        return tensors
+    if name in ("_broadcast_out", "_scatter_out"):
+        return [first, *(args[1] if len(args) > 1 else ())]
+    return [first]
+
+
+def _dispatcher(name: str, original):
+    kiln_version = _KILN[name]
+
+    def call(*args, **kwargs):
+        if _for_kiln(_tensors_of(name, args)):
+            return kiln_version(*args, **kwargs)
+        if original is not None:
+            return original(*args, **kwargs)
+        raise RuntimeError(f"torch.nn.parallel.comm needs torch._C.{name}, which this "
+                           f"CPU-only build of PyTorch does not have; kiln provides it for "
+                           f"kiln tensors (on kiln devices, or on the CPU while kiln is the "
+                           f"current accelerator)")
+    call.__name__ = name
+    call.__qualname__ = name
+    call.__doc__ = kiln_version.__doc__
+    call._kiln_dispatcher = True
+    return call
+
+
+def install() -> None:
+    """Sets the seven primitives on ``torch._C`` (once; idempotent)."""
+    for name in _NAMES:
+        current = getattr(torch._C, name, None)
+        if not getattr(current, "_kiln_dispatcher", False):
+            setattr(torch._C, name, _dispatcher(name, current))
