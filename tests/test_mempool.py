@@ -256,3 +256,16 @@ def test_mem_pool_is_exported_as_in_torch_cuda():
     from torch.kiln import MemPool, use_mem_pool  # noqa: F401
     assert torch.kiln.MemPool is MemPool
     assert torch.kiln.MemPool().allocator is None
+
+
+def test_mempool_names_import_from_torch_kiln_memory_as_from_torch_cuda_memory():
+    from torch.kiln.memory import MemPool, is_initialized, use_mem_pool
+
+    assert MemPool is torch.kiln.MemPool and use_mem_pool is torch.kiln.use_mem_pool
+    torch.zeros(1, device="kiln")
+    assert is_initialized() is torch.kiln.is_initialized() is True
+    pool = MemPool()
+    with use_mem_pool(pool):
+        x = torch.empty(4096, device="kiln")
+    assert pool.snapshot(), "the allocation inside use_mem_pool came from the pool"
+    del x

@@ -638,3 +638,16 @@ def list_gpu_processes(device: Any = None) -> str:
     else:
         lines.append(f"process {os.getpid():>10d} uses {used / (1024 * 1024):>12.3f} MB GPU memory")
     return "\n".join(lines)
+
+
+def is_initialized() -> bool:
+    """Whether kiln has been initialised in this process (as
+    ``torch.cuda.memory.is_initialized``, which is ``torch.cuda.is_initialized``)."""
+    from torch_kiln import kiln
+
+    return kiln.is_initialized()
+
+
+# `from torch.kiln.memory import MemPool, use_mem_pool`, as CUDA code imports
+# them from torch.cuda.memory. Last: _mempool imports this module's helpers.
+from torch_kiln.kiln._mempool import MemPool, use_mem_pool  # noqa: E402, F401
