@@ -99,7 +99,9 @@ namespace at::kiln {
 // errors keep their type]); the outputs of every op of the group are marked
 // as holding no valid result (the ops before it may have run for some tiles
 // only). A group skipped after an earlier failure on its stream marks its
-// outputs as skipped kernels do (Note [Results of failed kernels]).
+// outputs as skipped kernels do (Note [Results of failed kernels]). A group
+// that runs sets and ends its operands' marks op by op, as the unfused
+// kernels would (Note [Failed-result marks in a fused run]).
 //
 // Profiler: the group's activity record is named "kiln::fused(aten::add,
 // aten::mul, ...)" (kilnTaskSetActivityName; the ops' kernel names, as
