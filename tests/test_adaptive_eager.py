@@ -401,6 +401,123 @@ def test_group_skipped_after_an_earlier_failure_names_that_failure():
             t.sum().item()
 
 
+# Note [Results of failed kernels]: a kernel that writes all of a buffer
+# without reading it (out=, a fresh output, fill_, a random fill) ends the
+# buffer's "never computed" mark once it has run, in stream order. So a block
+# that the allocator hands to a new tensor while a mark is still to come on the
+# stream (the kernel that reads a failed result marks its output when it runs,
+# behind the gate here) holds the new values once they are written. Fused ops
+# must end (and keep) marks exactly where their unfused kernels do.
+
+# form -> (write(x, z): issues the write, returns the tensors to read, the
+#          first of them the one in the reused block;
+#          expected(x on the CPU): their values, or None for random fills;
+#          the fused sequence it forms with fusion on, or None for none / one op)
+PENDING_MARK_WRITES = {
+    # the forms of test_sticky_errors.py's block-reuse test
+    "add-out": (lambda x, z: [torch.add(x, 1, out=z)], lambda x: [x + 1], None),
+    "fill_": (lambda x, z: [z.fill_(3.0)], lambda x: [torch.full((1000,), 3.0)], None),
+    "uniform_": (lambda x, z: [z.uniform_()], None, None),
+    "normal_": (lambda x, z: [z.normal_()], None, None),
+    # out= then in-place on it, and out= then a read of it, in one group
+    "add-out-then-mul_": (lambda x, z: [torch.add(x, 1, out=z).mul_(2)],
+                          lambda x: [(x + 1) * 2], "aten::add.out, aten::mul.out"),
+    "add-out-then-read": (lambda x, z: [torch.add(x, 1, out=z), z * 2],
+                          lambda x: [x + 1, (x + 1) * 2], "aten::add.out, aten::mul.out"),
+    "fill_-then-mul_": (lambda x, z: [z.fill_(3.0).mul_(2)],
+                        lambda x: [torch.full((1000,), 6.0)], None),
+    # functional: the fresh output itself is the reused block (z is None)
+    "mul": (lambda x, z: [x * 2], lambda x: [x * 2], None),
+    "relu": (lambda x, z: [torch.relu(x)], lambda x: [torch.relu(x)], None),
+    "mul-then-neg": (lambda x, z: (lambda t: [t, -t])(x * 2), lambda x: [x * 2, -(x * 2)],
+                     "aten::mul.out, aten::neg.out"),
+}
+# In-place on the reused block reads memory no kernel wrote: it keeps the mark,
+# fused or not.
+PENDING_MARK_READS = {
+    "add_": lambda z: z.add_(1),
+    "relu_": lambda z: z.relu_(),
+    "add-out-self": lambda z: torch.add(z, 1, out=z),
+}
+FUNCTIONAL_WRITES = {"mul", "relu", "mul-then-neg"}
+
+
+@contextlib.contextmanager
+def block_with_a_pending_mark(device, side_stream, fusion):
+    """Yields (x, y, block) with fusion switched to `fusion`, behind a gate on
+    the current stream of `device` (a side stream if `side_stream`): y is a
+    failed result (its error already raised), `block` the address of a freed
+    kernel output that gets marked as never computed only when that kernel
+    runs, once the block ends; the block is the next 1000 floats allocated."""
+    with torch.kiln.device(device):
+        stream = torch.kiln.Stream() if side_stream else torch.kiln.current_stream()
+        stream.wait_stream(torch.kiln.current_stream())
+        with torch.kiln.stream(stream):
+            x = torch.randn(1000)
+            kx = x.to(device)
+            torch.index_select(kx, 0, torch.arange(1000, device=device))  # first call
+            y = torch.index_select(kx, 0, torch.full((1000,), 5000, device=device))  # fails
+            with pytest.raises(IndexError, match="index_select"):
+                stream.synchronize()
+            with adaptive_eager(fusion):
+                with gated():
+                    p = y * 2  # reads a failed result: marks its output when it runs
+                    block = p.data_ptr()
+                    del p
+                    yield x, kx, y, block
+                stream.synchronize()
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("form", sorted(PENDING_MARK_WRITES))
+def test_write_to_a_block_reused_while_a_mark_is_pending_holds_the_new_values(
+        form, device, side_stream, fusion):
+    write, expected, sequence = PENDING_MARK_WRITES[form]
+    with torch.kiln.device(device):
+        warm = torch.randn(1000, device=device)
+        with adaptive_eager(False):  # first calls may synchronize (meta checks)
+            for _ in range(2):
+                write(warm, torch.empty_like(warm))
+        torch.kiln.synchronize()
+    torch.kiln.clear_op_tracking()
+    with block_with_a_pending_mark(device, side_stream, fusion) as (x, kx, y, block):
+        z = None if form in FUNCTIONAL_WRITES else torch.empty(1000, device=device)
+        results = write(kx, z)
+        reused = (results[0] if z is None else z).data_ptr()
+        assert reused == block  # (no tensor in the message: printing would wait on the gate)
+    if sequence is not None:
+        assert torch.kiln.get_fused_ops() == ({sequence: 1} if fusion else {})
+    if expected is None:
+        values = results[0].cpu()
+        assert values.isfinite().all() and values.std() > 0.1
+    else:
+        for actual, value in zip(results, expected(x)):
+            assert_same(actual, value)
+    with pytest.raises(RuntimeError, match="never computed.*index_select"):
+        y.cpu()  # the failed result itself stays unreadable
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("form", sorted(PENDING_MARK_READS))
+def test_inplace_op_on_a_block_reused_while_a_mark_is_pending_keeps_the_mark(form, fusion):
+    with adaptive_eager(False):
+        warm = torch.randn(1000, device="kiln")
+        for _ in range(2):
+            PENDING_MARK_READS[form](warm)
+        torch.kiln.synchronize()
+    with block_with_a_pending_mark("kiln:0", False, fusion) as (x, kx, y, block):
+        z = torch.empty(1000, device="kiln")
+        reused = z.data_ptr()
+        assert reused == block
+        PENDING_MARK_READS[form](z)
+        w = torch.add(kx, 1, out=torch.empty(1000, device="kiln"))  # another buffer: computed
+    with pytest.raises(RuntimeError, match="never computed.*index_select"):
+        z.cpu()
+    assert_same(w, x + 1)
+
+
 def warm_add_mul():
     """A kiln tensor after add and mul ran on it unfused; counters cleared."""
     a = torch.randn(1000, device="kiln")

@@ -99,7 +99,9 @@ namespace at::kiln {
 // errors keep their type]); the outputs of every op of the group are marked
 // as holding no valid result (the ops before it may have run for some tiles
 // only). A group skipped after an earlier failure on its stream marks its
-// outputs as skipped kernels do (Note [Results of failed kernels]).
+// outputs as skipped kernels do (Note [Results of failed kernels]). A group
+// that runs sets and ends its operands' marks op by op, as the unfused
+// kernels would (Note [Failed-result marks in a fused run]).
 //
 // Profiler: the group's activity record is named "kiln::fused(aten::add,
 // aten::mul, ...)" (kilnTaskSetActivityName; the ops' kernel names, as
@@ -194,6 +196,10 @@ struct FusedOp {
   c10::SmallVector<std::pair<uint32_t, uint32_t>, 3> tensor_args; // (stack slot, operand)
   c10::SmallVector<uint32_t, 2> reads;  // operands read
   uint32_t written = 0;                 // the operand written (an out= argument per tile)
+  // The op writes all of `written`'s storage without reading it (out= or a
+  // fresh output; not relu_): once it has run, the storage's failed-result
+  // mark ends, as KernelLaunch::clearOverwrittenFailedResults does unfused.
+  bool ends_mark = false;
   std::string inputs;                   // "inputs (Float[4], Double[])", for errors
 };
 
@@ -306,6 +312,7 @@ std::optional<FusedOp> describeOp(const FusibleSpec& spec, const OpSchemaInfo& i
       if (fresh.size() != 1 || (out = operandOf(fresh[0])) < 0) {
         return fail();
       }
+      fused.ends_mark = true; // a fresh output (relu_ reads what it writes)
     }
     fused.args = {c10::IValue(), c10::IValue(c10::Scalar(int64_t{0})), c10::IValue()};
     fused.tensor_args = {{0u, static_cast<uint32_t>(self)}, {2u, static_cast<uint32_t>(out)}};
@@ -347,6 +354,10 @@ std::optional<FusedOp> describeOp(const FusibleSpec& spec, const OpSchemaInfo& i
     fused.tensor_args.emplace_back(static_cast<uint32_t>(i), static_cast<uint32_t>(operand));
     if (static_cast<int>(i) == spec.out_arg) {
       fused.written = static_cast<uint32_t>(operand);
+      // As unfused (TensorDescriptor::coversStorage): an out= argument ends
+      // the mark only if it is all of its (contiguous) storage.
+      fused.ends_mark = t.storage_offset() == 0 &&
+          t.storage().nbytes() == static_cast<size_t>(nbytes);
     } else {
       fused.reads.push_back(static_cast<uint32_t>(operand));
       appendInputDescription(inputs, at::kFloat, sizes);
@@ -432,21 +443,12 @@ struct FusionGroupTask final : TaskBody {
       c.counts[seq]++;
     }
 
-    // Inputs marked as failed results since the launch (by another stream,
-    // ordered before this group by an event): pass the mark on and do not
-    // run those ops (Note [Results of failed kernels]), in order, so an op
-    // reading a skipped op's output is skipped too.
+    // Failed-result marks, op by op, as the unfused kernels would leave them
+    // (see Note [Failed-result marks in a fused run] below).
     std::vector<char> skip(ops.size(), 0);
+    std::vector<const void*> ended; // marks to end once every op has run
     if (c10::kiln::anyFailedResults()) {
-      for (size_t k = 0; k < ops.size(); ++k) {
-        for (uint32_t r : ops[k].reads) {
-          if (auto reason = c10::kiln::failedResultReason(group->operands[r].storage)) {
-            c10::kiln::markFailedResult(group->operands[ops[k].written].storage, *reason);
-            skip[k] = 1;
-            break;
-          }
-        }
-      }
+      ended = settleFailedResults(skip);
     }
     std::vector<char> inject(ops.size(), 0);
     if (C10_UNLIKELY(fusedCounts().fail_armed.load(std::memory_order_relaxed))) {
@@ -483,6 +485,9 @@ struct FusionGroupTask final : TaskBody {
       }
       const std::string reason =
           describe() + ": " + c10::kiln::kernelErrorMessageOf(e);
+      for (const void* storage : ended) {
+        c10::kiln::clearFailedResult(storage); // the group's failure replaces them
+      }
       for (const auto& op : ops) {
         c10::kiln::markFailedResult(group->operands[op.written].storage,
                                     std::string(kTaskName) + ": " + reason);
@@ -490,6 +495,71 @@ struct FusionGroupTask final : TaskBody {
       lastKernelFailureOnThread() = std::string(kTaskName) + ": " + reason;
       throw;
     }
+    for (const void* storage : ended) {
+      c10::kiln::clearFailedResult(storage);
+    }
+  }
+
+  // Note [Failed-result marks in a fused run]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Unfused, each kernel, when it runs, first passes a mark on its inputs to
+  // what it writes and does not compute, else computes and then ends the mark
+  // of every storage it wrote whole without reading it (Note [Results of
+  // failed kernels]). A group is one task, so it replays that per op, in
+  // order, over the marks as they are when the group starts: marks set since
+  // the launch by another stream (ordered before the group by an event), and
+  // marks an earlier task on this stream set on memory the allocator had
+  // meanwhile handed to a tensor of the group (a kernel that read a failed
+  // result marks its output when it runs, after its block was freed and
+  // reused). An op that ends a mark thus lets a later op of the group read
+  // that storage, as the unfused kernel after it would; an op skipped marks
+  // its output, so the ops reading it are skipped too. Marks to set are set
+  // now (those ops do not run); marks to end are returned and ended once
+  // every op has run (on failure the group's outputs are marked instead).
+  // Marks are per storage (the registry's key), so this works per storage.
+  std::vector<const void*> settleFailedResults(std::vector<char>& skip) const {
+    const auto& operands = group->operands;
+    std::vector<const void*> storages;                     // distinct, in first-use order
+    std::vector<std::optional<std::string>> before, marks; // per storage
+    std::vector<size_t> storage_of(operands.size());
+    for (size_t i = 0; i < operands.size(); ++i) {
+      const auto found = std::find(storages.begin(), storages.end(), operands[i].storage);
+      storage_of[i] = static_cast<size_t>(found - storages.begin());
+      if (found == storages.end()) {
+        storages.push_back(operands[i].storage);
+        before.push_back(c10::kiln::failedResultReason(operands[i].storage));
+      }
+    }
+    marks = before;
+    for (size_t k = 0; k < group->ops.size(); ++k) {
+      const FusedOp& op = group->ops[k];
+      auto& written = marks[storage_of[op.written]];
+      for (uint32_t r : op.reads) {
+        if (const auto& reason = marks[storage_of[r]]) {
+          skip[k] = 1;
+          if (!written) {
+            written = *reason; // the first (root) reason wins, as markFailedResult keeps it
+          }
+          break;
+        }
+      }
+      if (!skip[k] && op.ends_mark) {
+        written.reset();
+      }
+    }
+    std::vector<const void*> ended;
+    for (size_t s = 0; s < storages.size(); ++s) {
+      if (marks[s] == before[s]) {
+        continue;
+      }
+      if (marks[s]) {
+        c10::kiln::clearFailedResult(storages[s]); // a mark ended, then set again
+        c10::kiln::markFailedResult(storages[s], *marks[s]);
+      } else {
+        ended.push_back(storages[s]);
+      }
+    }
+    return ended;
   }
 
   std::string describe() const override {

@@ -31,6 +31,8 @@
 //     order, so this also ends a mark that a kernel skipped after an earlier
 //     failure left on memory the allocator had meanwhile handed to a new
 //     tensor. In-place kernels (which read what they write) keep the mark.
+//     A fused group (adaptive eager) applies these rules op by op (Note
+//     [Failed-result marks in a fused run] in AdaptiveEager.cc).
 // Marks are keyed by the storage's first byte. With no marks (the normal
 // case) every check is one relaxed atomic load.
 //
