@@ -28,15 +28,25 @@ def assert_losses_agree(kiln, cpu, steps):
 
 
 def test_fashion_mnist_first_100_steps_match_cpu(tmp_path):
-    kiln, _ = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--max-steps", "100")
+    kiln, stdout = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--max-steps", "100")
     cpu, _ = run_example("train_fashion_mnist.py", tmp_path, "cpu", "--max-steps", "100")
     assert kiln["device"] == "kiln" and cpu["device"] == "cpu"
     assert_losses_agree(kiln, cpu, 100)
     for key in ("seed", "test_accuracy", "images_per_s", "seconds"):
         assert key in kiln
     assert kiln["images_per_s"] > 0
+    # The evaluation on the 10,000 test images after the 100 steps: the
+    # same model, so CPU's accuracy; it has learnt (the full epoch's 85 % is
+    # test_fashion_mnist_one_epoch_on_kiln_reaches_85_percent, `make test-full`;
+    # measured 0.79 after 100 steps).
+    assert kiln["test_accuracy"] == cpu["test_accuracy"]
+    assert kiln["test_accuracy"] >= 0.70, stdout
+    assert "test accuracy" in stdout and "images/s" in stdout
 
 
+# `make test-full` only (marker `slow`): the whole epoch (938 steps); the
+# test above checks the evaluation and the report after 100 steps.
+@pytest.mark.slow
 def test_fashion_mnist_one_epoch_on_kiln_reaches_85_percent(tmp_path):
     kiln, stdout = run_example("train_fashion_mnist.py", tmp_path, "kiln", "--epochs", "1")
     assert kiln["test_accuracy"] >= 0.85, stdout
