@@ -170,6 +170,19 @@ def test_gather_along_dim_1():
                 torch.cat([p.cpu() for p in parts], dim=1))
 
 
+def test_channels_last_is_kept_by_scatter_gather_and_data_parallel():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3)
+    x = torch.randn(4, 3, 10, 10).to(memory_format=torch.channels_last)
+    chunks = comm.scatter(x, [0, 1])
+    assert all(c.is_contiguous(memory_format=torch.channels_last) for c in chunks)
+    gathered = comm.gather(chunks, destination=0)
+    assert gathered.is_contiguous(memory_format=torch.channels_last)
+    assert_same(gathered, x)
+    out = torch.nn.DataParallel(copy.deepcopy(conv).to("kiln"), device_ids=[0, 1])(x)
+    assert_same(out, torch.cat([conv(c) for c in x.chunk(2)]))
+
+
 def test_bad_input_gets_clear_errors():
     t = torch.randn(4, device="kiln:1")
     with pytest.raises(RuntimeError, match="must appear as the first on the devices list"):
@@ -181,6 +194,16 @@ def test_bad_input_gets_clear_errors():
         comm.broadcast_coalesced([t], [0, 1])
     with pytest.raises(RuntimeError, match="don't sum up to the tensor's size"):
         comm.scatter(t, [0, 1], chunk_sizes=[1, 2])
+    with pytest.raises(RuntimeError, match="expected at least one device"):
+        comm.broadcast(t, ())
+    with pytest.raises(RuntimeError, match="expected at least one device"):
+        comm.broadcast_coalesced([t], ())
+    with pytest.raises(RuntimeError, match="3 chunk sizes for 2 devices"):
+        comm.scatter(t, [0, 1], chunk_sizes=[1, 1, 2])
+    with pytest.raises(RuntimeError, match="1 streams for 2 chunks"):
+        comm.scatter(t, [0, 1], streams=[torch.kiln.Stream(0)])
+    with pytest.raises(RuntimeError, match="at least one device \\(or output tensor\\)"):
+        comm.scatter(t, out=[])
     with pytest.raises(RuntimeError, match="chunk sizes must be positive"):
         comm.scatter(t, [0, 1], chunk_sizes=[5, -1])
     with pytest.raises(RuntimeError, match="stream at index 0 .* to match the device"):

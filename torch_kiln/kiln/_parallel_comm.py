@@ -67,10 +67,17 @@ def _for_kiln(tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and _current_accelerator_is_kiln()
 
 
+def _targets(devices, what: str) -> list[torch.device]:
+    targets = [_kiln(d) for d in devices]
+    if not targets:
+        raise RuntimeError(f"{what}: expected at least one device, got an empty device list")
+    return targets
+
+
 def broadcast(tensor: torch.Tensor, devices) -> list[torch.Tensor]:
     """comm.broadcast: ``tensor`` on each kiln device of ``devices`` (ints);
     for ``devices[0]``, ``tensor`` itself when it is on it."""
-    targets = [_kiln(d) for d in devices]
+    targets = _targets(devices, "broadcast")
     if _is_kiln(tensor) and tensor.device != targets[0]:
         raise RuntimeError(f"broadcast: the device of the broadcast tensor ({tensor.device}) "
                            f"must appear as the first on the devices list, got {list(devices)}")
@@ -93,7 +100,7 @@ def broadcast_out(tensor: torch.Tensor, out) -> list[torch.Tensor]:
 def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.Tensor]]:
     """comm.broadcast_coalesced: ``outputs[i][j]`` is ``tensors[j]`` on
     ``devices[i]``; ``outputs[0]`` are ``tensors`` themselves."""
-    targets = [_kiln(d) for d in devices]
+    targets = _targets(devices, "broadcast_coalesced")
     for t in tensors:
         if t.device != targets[0]:
             raise RuntimeError(f"broadcast_coalesced: all tensors must be on devices[0] "
@@ -115,9 +122,14 @@ def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.T
 
 
 def _chunks(tensor: torch.Tensor, count: int, chunk_sizes, dim: int) -> list[torch.Tensor]:
+    if count == 0:
+        raise RuntimeError("scatter: expected at least one device (or output tensor) to scatter to")
     if chunk_sizes is None:
         return list(tensor.chunk(count, dim))
     chunk_sizes = list(chunk_sizes)
+    if len(chunk_sizes) != count:
+        raise RuntimeError(f"scatter: {len(chunk_sizes)} chunk sizes for {count} devices; "
+                           f"give one chunk size per device")
     if sum(chunk_sizes) != tensor.size(dim):
         raise RuntimeError(f"scatter: given chunk sizes don't sum up to the tensor's size "
                            f"(sum(chunk_sizes) == {sum(chunk_sizes)}, but expected "
@@ -143,11 +155,15 @@ def scatter(tensor: torch.Tensor, devices, chunk_sizes, dim: int, streams) -> li
     (copied on ``streams[i]`` when given)."""
     targets = [_kiln(d) for d in devices]
     chunks = _chunks(tensor, len(targets), chunk_sizes, dim)
+    if streams is not None and len(streams) < len(chunks):
+        raise RuntimeError(f"scatter: {len(streams)} streams for {len(chunks)} chunks; give "
+                           f"one stream (or None) per device")
     out = []
     for i, chunk in enumerate(chunks):
         stream = streams[i] if streams is not None else None
         out.append(_copy_on(stream, i, targets[i],
-                            lambda c=chunk, d=targets[i]: c.contiguous().to(d, non_blocking=True)))
+                            lambda c=chunk, d=targets[i]: c.to(d, non_blocking=True,
+                                                                 memory_format=torch.preserve_format)))
     return out
 
 
@@ -193,7 +209,12 @@ def gather(tensors, dim: int, destination) -> torch.Tensor:
         device = torch.device("cpu")
     else:
         device = _kiln(torch.kiln.current_device() if destination is None else destination)
-    result = torch.empty(shape, dtype=tensors[0].dtype, device=device)
+    # channels_last when every input is (as comm.cpp's gather)
+    channels_last = all(t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                        and not t.is_contiguous() for t in tensors)
+    result = torch.empty(shape, dtype=tensors[0].dtype, device=device,
+                         memory_format=torch.channels_last if channels_last
+                         else torch.contiguous_format)
     return gather_out(tensors, result, dim)
 
 
