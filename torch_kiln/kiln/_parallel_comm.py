@@ -27,7 +27,8 @@ accelerator (``torch.accelerator.current_accelerator()``, as DataParallel's
 own device choice).
 
 Errors: ``RuntimeError`` (comm.cpp's messages, plus which kiln devices exist)
-for a broadcast source not on ``devices[0]``, chunk sizes that do not sum to
+for an empty device list, more chunk sizes or fewer streams than devices,
+a broadcast source not on ``devices[0]``, chunk sizes that do not sum to
 the size of ``dim`` or are not positive, a stream of another device, inputs
 to gather on several device types or of mismatched shapes, and a device
 index out of range.
