@@ -39,9 +39,6 @@ from __future__ import annotations
 import torch
 from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
-_NAMES = ("_broadcast", "_broadcast_out", "_broadcast_coalesced", "_scatter", "_scatter_out",
-          "_gather", "_gather_out")
-
 
 def _kiln(index: int) -> torch.device:
     count = torch.kiln.device_count()
@@ -216,7 +213,7 @@ def gather(tensors, dim: int, destination) -> torch.Tensor:
     result = torch.empty(shape, dtype=tensors[0].dtype, device=device,
                          memory_format=torch.channels_last if channels_last
                          else torch.contiguous_format)
-    return gather_out(tensors, result, dim)
+    return _concatenate_into(tensors, result, dim)
 
 
 def gather_out(tensors, out: torch.Tensor, dim: int) -> torch.Tensor:
@@ -224,6 +221,10 @@ def gather_out(tensors, out: torch.Tensor, dim: int) -> torch.Tensor:
     shape = _gathered_shape(list(tensors), dim)
     if list(out.shape) != shape:
         raise RuntimeError(f"gather: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    return _concatenate_into(tensors, out, dim)
+
+
+def _concatenate_into(tensors, out: torch.Tensor, dim: int) -> torch.Tensor:
     dim = dim + out.dim() if dim < 0 else dim
     start = 0
     for t in tensors:
@@ -271,7 +272,7 @@ def _dispatcher(name: str, original):
 
 def install() -> None:
     """Sets the seven primitives on ``torch._C`` (once; idempotent)."""
-    for name in _NAMES:
+    for name in _KILN:
         current = getattr(torch._C, name, None)
         if not getattr(current, "_kiln_dispatcher", False):
             setattr(torch._C, name, _dispatcher(name, current))
