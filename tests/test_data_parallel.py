@@ -215,5 +215,26 @@ def test_bad_input_gets_clear_errors():
         comm.gather([torch.randn(2, device="kiln:0"), torch.randn(2)])
     with pytest.raises(RuntimeError, match="at least one tensor"):
         torch._C._gather([], 0, 0)
+    # outputs of broadcast and scatter must be on kiln, as CUDA's must be on CUDA,
+    # and nothing is written before that is checked
+    kept = torch.full((2,), 7.0, device="kiln:0")
+    with pytest.raises(RuntimeError, match="output tensor at index 1 has device 'cpu'"):
+        comm.broadcast(t, out=[torch.empty(4, device="kiln:0"), torch.empty(4)])
+    with pytest.raises(RuntimeError, match="output tensor at index 1 has device 'cpu'"):
+        comm.scatter(t, out=[kept, torch.empty(2)])
+    assert_same(kept, torch.full((2,), 7.0))
     # nothing the user had is lost: the source is intact
     assert_same(t, source)
+
+
+@pytest.mark.parametrize("batch_device", ["cpu", "kiln:0"])
+def test_data_parallel_on_a_device_that_does_not_exist_is_a_clear_error(batch_device):
+    # A CPU batch meets PyTorch's _get_stream before kiln's scatter (it was a
+    # bare IndexError there); a kiln batch meets kiln's scatter.
+    model = _model().to("kiln:0")
+    with pytest.raises(RuntimeError, match="kiln device index 5 is out of range; this process "
+                                           "has kiln devices 0 to 1"):
+        torch.nn.DataParallel(model, device_ids=[0, 5])(torch.randn(4, 8, device=batch_device))
+    x = torch.randn(4, 8)
+    assert_same(torch.nn.DataParallel(model, device_ids=[0, 1])(x).cpu(),
+                _cpu_reference(_model(), x, 2))

@@ -30,8 +30,10 @@ Errors: ``RuntimeError`` (comm.cpp's messages, plus which kiln devices exist)
 for an empty device list, more chunk sizes or fewer streams than devices,
 a broadcast source not on ``devices[0]``, chunk sizes that do not sum to
 the size of ``dim`` or are not positive, a stream of another device, inputs
-to gather on several device types or of mismatched shapes, and a device
-index out of range.
+to gather on several device types or of mismatched shapes, an ``out=``
+tensor of broadcast or scatter that is not on kiln (gather's may be on the
+CPU), and a device index out of range (also the one a CPU batch meets first
+in DataParallel's scatter: see ``_checked_get_stream``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ def _for_kiln(tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and _current_accelerator_is_kiln()
 
 
+def _check_outputs_on_kiln(out) -> None:
+    # comm.cpp's broadcast_out and scatter_out take device outputs only (its
+    # gather_out also takes a CPU one, as gather's destination=-1 does)
+    for i, o in enumerate(out):
+        if not _is_kiln(o):
+            device = o.device if isinstance(o, torch.Tensor) else type(o).__name__
+            raise RuntimeError(f"Expected all output tensors to be kiln tensors, but output "
+                               f"tensor at index {i} has device '{device}'")
+
+
 def _targets(devices, what: str) -> list[torch.device]:
     targets = [_kiln(d) for d in devices]
     if not targets:
@@ -87,6 +99,7 @@ def broadcast(tensor: torch.Tensor, devices) -> list[torch.Tensor]:
 
 def broadcast_out(tensor: torch.Tensor, out) -> list[torch.Tensor]:
     """comm.broadcast(out=...): copies ``tensor`` into each tensor of ``out``."""
+    _check_outputs_on_kiln(out)
     for o in out:
         if o.shape != tensor.shape:
             raise RuntimeError(f"broadcast: an output tensor has shape {tuple(o.shape)}, "
@@ -168,6 +181,7 @@ def scatter(tensor: torch.Tensor, devices, chunk_sizes, dim: int, streams) -> li
 def scatter_out(tensor: torch.Tensor, out, dim: int, streams) -> list[torch.Tensor]:
     """comm.scatter(out=...): chunk i (sized as ``out[i]`` along ``dim``) copied
     into ``out[i]``."""
+    _check_outputs_on_kiln(out)
     sizes = [o.size(dim) for o in out]
     chunks = _chunks(tensor, len(out), sizes, dim)
     for i, (chunk, o) in enumerate(zip(chunks, out)):
@@ -270,9 +284,31 @@ def _dispatcher(name: str, original):
     return call
 
 
+def _checked_get_stream(original):
+    """torch.nn.parallel._functions._get_stream with kiln's device check first.
+
+    Scatter of a CPU batch asks ``_get_stream(torch.device(i))`` for each
+    target before calling ``_scatter``, and that indexes a list by device
+    count: ``DataParallel(device_ids=[0, 5])`` failed there with a bare
+    ``IndexError: list index out of range`` (CUDA's DataParallel rejects the
+    index at construction, in ``_check_balance``, which runs for CUDA only).
+    """
+    def _get_stream(device):
+        if isinstance(device, torch.device) and device.type == "kiln" and device.index is not None:
+            _kiln(device.index)
+        return original(device)
+    _get_stream.__doc__ = original.__doc__
+    _get_stream._kiln_dispatcher = True
+    return _get_stream
+
+
 def install() -> None:
-    """Sets the seven primitives on ``torch._C`` (once; idempotent)."""
+    """Sets the seven primitives on ``torch._C`` and the device check in
+    ``torch.nn.parallel._functions._get_stream`` (once; idempotent)."""
     for name in _KILN:
         current = getattr(torch._C, name, None)
         if not getattr(current, "_kiln_dispatcher", False):
             setattr(torch._C, name, _dispatcher(name, current))
+    from torch.nn.parallel import _functions
+    if not getattr(_functions._get_stream, "_kiln_dispatcher", False):
+        _functions._get_stream = _checked_get_stream(_functions._get_stream)
