@@ -28,13 +28,19 @@ test-runtime: deps
 	cmake --build $(RUNTIME_BUILD)
 	ctest --test-dir $(RUNTIME_BUILD) --output-on-failure
 
+# On PYTEST_WORKERS pytest-xdist worker processes (2: the machine's cores;
+# 1 runs them in this process, in file order); --dist loadgroup keeps the
+# kccl suites on one worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test-python: build
-	$(PYTHON) -m pytest tests -m "not slow" --durations=30
+	$(PYTHON) -m pytest tests -m "not slow" $(PYTEST_PARALLEL) --durations=30
 
 # Every PyTorch-level test, also those marked slow (the 500-step char GPT on
 # both devices, the 4-rank --parallel runs).
 test-python-full: build
-	$(PYTHON) -m pytest tests --durations=30
+	$(PYTHON) -m pytest tests $(PYTEST_PARALLEL) --durations=30
 
 test: test-runtime test-python
 

@@ -32,6 +32,8 @@ pip_missing=()
   pip_missing+=("torch==2.13.0")
 "$PYTHON" -c "import scikit_build_core" 2>/dev/null || pip_missing+=("scikit-build-core>=0.10")
 "$PYTHON" -c "import pytest" 2>/dev/null || pip_missing+=("pytest")
+# make test runs the tests on two worker processes (Makefile: PYTEST_WORKERS).
+"$PYTHON" -c "import xdist" 2>/dev/null || pip_missing+=("pytest-xdist")
 "$PYTHON" -c "import numpy" 2>/dev/null || pip_missing+=("numpy")
 # torch.testing._internal (OpInfo, ModuleInfo: tests/conformance/) imports it.
 "$PYTHON" -c "import expecttest" 2>/dev/null || pip_missing+=("expecttest")

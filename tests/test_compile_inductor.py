@@ -385,10 +385,16 @@ def test_kernels_take_their_thread_count_at_run_time():
     # compile time in kiln kernels, so torch.set_num_threads reaches them.
     from torch._inductor.utils import run_and_get_code
 
+    torch.manual_seed(0)
     x = torch.randn(256, 64, device="kiln")
     torch._dynamo.reset()
     out, sources = run_and_get_code(torch.compile(lambda t: (t * 2).sum(1)), x)
-    assert_close(out, (x * 2).sum(1))
+    # The generated sum adds the 64 terms in another order than ATen's (its
+    # own vector lanes): within float32 rounding of the exact sum, a few ulp
+    # of sum(|2x|) (about 100), not within 1e-5 of a row sum near 0.
+    exact = (x.double() * 2).sum(1)
+    bound = 64 * 2.0**-24 * (x.double().abs() * 2).sum(1)
+    assert ((out.double() - exact).abs() <= bound).all()
     code = "\n".join(sources)
     assert ".launch(0, " in code and "#pragma omp parallel" in code
     assert "num_threads(" not in code

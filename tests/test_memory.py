@@ -465,11 +465,16 @@ def test_raw_delete_rejects_unknown_and_double_frees():
 def test_with_caching_disabled_nothing_is_reused_and_frees_return_memory(device):
     torch.kiln.empty_cache()
     frees = torch.kiln.memory_stats(device)["num_device_free"]
+    # (what earlier tests in this process still hold stays reserved: counted
+    # from here)
+    reserved_before = torch.kiln.memory_reserved(device)
+    allocated_before = torch.kiln.memory_allocated(device)
     with torch.kiln.caching_allocator_disabled():
         a = torch.empty(2 * MiB, dtype=torch.uint8, device=device)
         b = torch.ones(100, device=device)  # small: a segment of its own size, not 1 MiB
         reserved = torch.kiln.memory_reserved(device)
-        assert reserved == torch.kiln.memory_allocated(device)
+        assert reserved - reserved_before == torch.kiln.memory_allocated(device) - allocated_before
+        assert reserved - reserved_before == 2 * MiB + 512  # 400 bytes rounded to 512
         del a
         c = torch.empty(2 * MiB, dtype=torch.uint8, device=device)  # returns a's memory first
         assert torch.kiln.memory_reserved(device) == reserved
