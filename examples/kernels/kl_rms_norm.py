@@ -33,8 +33,9 @@ def block_for(n_cols: int) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             rows_per_program: int = 4) -> torch.Tensor:
-    """RMSNorm of a 2-D x (rows, features) with weight (features,), same dtype as x."""
+             rows_per_program: int = 1) -> torch.Tensor:
+    """RMSNorm of a 2-D x (rows, features) with weight (features,), same dtype
+    as x. One row per program by default, as kl_softmax.softmax."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     rms_norm_kernel[(kl.cdiv(rows, rows_per_program),)](
