@@ -106,7 +106,10 @@ def _kl_cases():
          "part-1 C++ kernel", lambda x, w: rms_norm.rms_norm(x, w, 1e-6)),
         (f"kl softmax {rows}x{cols}", (x,), kl_softmax.softmax, "eager kiln composite",
          kl_softmax.composite, 0.5, "torch.softmax", lambda x: torch.softmax(x, -1)),
-        ("kl causal attention (1, 4, 1024, 64)", qkv, kl_attention.causal_attention,
+        # 128 x 128 blocks: the fastest of 64x64, 128x64, 64x128 and 128x128 at
+        # this size, forward and forward + backward (docs/kernels.md, Measured)
+        ("kl causal attention (1, 4, 1024, 64), 128x128 blocks", qkv,
+         lambda q, k, v: kl_attention.causal_attention(q, k, v, block=(128, 128)),
          "eager kiln SDPA", lambda q, k, v: sdpa(q, k, v, is_causal=True), 0.667, None, None),
     ]
 

@@ -35,20 +35,23 @@ def randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+# rows_per_program 4 on 37 rows: the last program's rows past the end are masked
+@pytest.mark.parametrize("rows_per_program", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm(device, dtype):
+def test_rms_norm(device, dtype, rows_per_program):
     x, w = randn(37, 100, dtype=dtype), randn(100, dtype=dtype, seed=1)
-    out = kl_rms_norm.rms_norm(x.to(device), w.to(device), 1e-6)
+    out = kl_rms_norm.rms_norm(x.to(device), w.to(device), 1e-6, rows_per_program)
     assert out.dtype == dtype and out.device == torch.device(device)
     torch.testing.assert_close(out.cpu(), kl_rms_norm.reference(x, w, 1e-6), **tol(dtype))
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 4])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_softmax(device, dtype):
+def test_softmax(device, dtype, rows_per_program):
     x = randn(37, 100, dtype=dtype) * 5
-    out = kl_softmax.softmax(x.to(device))
+    out = kl_softmax.softmax(x.to(device), rows_per_program)
     torch.testing.assert_close(out.cpu(), torch.softmax(x, -1), **tol(dtype))
     torch.testing.assert_close(kl_softmax.composite(x), torch.softmax(x, -1), **tol(dtype))
 

@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 from examples.kernels import (kl_attention, kl_attention_backward, kl_matmul,  # noqa: E402
                               kl_rms_norm, kl_softmax)
 
-SWITCHES = ("FUSE_ELEMENTWISE", "INTERVAL_MASKS", "HOIST_INVARIANT")
+SWITCHES = ("FUSE_ELEMENTWISE", "INTERVAL_MASKS", "HOIST_INVARIANT", "TRANSPOSE_BLOCKS")
 
 
 @pytest.fixture(autouse=True)
@@ -64,12 +64,12 @@ CASES = {
     # name: (module, kernel attribute, inputs(dtype), call(inputs))
     "rms_norm": (kl_rms_norm, "rms_norm_kernel",
                  lambda dt: (randn(37, 100, dtype=dt), randn(100, dtype=dt, seed=1)),
-                 lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6)),
+                 lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6, rows_per_program=4)),
     "rms_norm_full_tiles": (kl_rms_norm, "rms_norm_kernel",
                             lambda dt: (randn(64, 128, dtype=dt), randn(128, dtype=dt, seed=1)),
                             lambda x, w: kl_rms_norm.rms_norm(x, w, 1e-6)),
     "softmax": (kl_softmax, "softmax_kernel", lambda dt: (randn(37, 100, dtype=dt) * 5,),
-                kl_softmax.softmax),
+                lambda x: kl_softmax.softmax(x, rows_per_program=4)),
     "softmax_full_tiles": (kl_softmax, "softmax_kernel",
                            lambda dt: (randn(16, 256, dtype=dt) * 5,), kl_softmax.softmax),
     "matmul_gelu": (kl_matmul, "matmul_bias_act_kernel",
@@ -345,3 +345,30 @@ def test_a_3d_tile_is_loaded_computed_and_stored_row_by_row(device):
     tile3d_kernel[(1,)](out, total, x.to(device), A=3, B=4, C=5)
     assert torch.equal(out.cpu(), x * 2 + 1), out.cpu()[0]
     assert torch.equal(total.cpu(), x.sum(2))
+
+
+@kl.jit
+def _transpose_kernel(out, x, R: kl.constexpr, C: kl.constexpr):
+    r, c = kl.arange(0, R), kl.arange(0, C)
+    t = kl.load(x, (r[:, None], c[None, :])) * 2.0  # a tile in a buffer
+    kl.store(out, (c[:, None], r[None, :]), kl.transpose(t))
+
+
+# Shapes on and off the 8- and 16-wide SIMD blocks of kl_transpose_f32 (a
+# whole block, edge columns, edge rows, both, a single row or column).
+@pytest.mark.parametrize("shape", [(16, 16), (32, 8), (24, 20), (37, 21), (1, 19), (19, 1),
+                                   (8, 40)])
+def test_transpose_of_a_buffered_tile_is_exact(shape, monkeypatch):
+    rows, cols = shape
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(lowering, "TRANSPOSE_BLOCKS", on)
+        kernel = kl.jit(_transpose_kernel.fn)
+        out = torch.empty(cols, rows, device="kiln")
+        kernel[(1,)](out, x.to("kiln"), R=rows, C=cols)
+        source = kernel.source(out, x.to("kiln"), R=rows, C=cols)
+        assert ("kl_transpose_f32(v" in source) == on
+        results.append(out.cpu())
+    assert torch.equal(results[0], (x * 2.0).t())
+    assert torch.equal(results[1], results[0])

@@ -41,6 +41,7 @@ FUSE_ELEMENTWISE = True  # Note [kl elementwise fusion]; off only to measure it
 INTERVAL_MASKS = True  # Note [kl interval masks]; off only to measure it
 HOIST_INVARIANT = True  # Note [kl program-invariant ops]; off only to measure it
 GEMM = True  # float32 kl.matmul through kl_gemm (oneDNN brgemm); off only to measure it
+TRANSPOSE_BLOCKS = True  # float32 kl.transpose through kl_transpose_f32; off only to measure it
 
 PRELUDE = r"""
 #include <algorithm>
@@ -82,9 +83,34 @@ inline void kl_gemm(int64_t m, int64_t n, int64_t k, const float* a, const float
 // so n = 128 does not overflow a factor and results below FLT_MIN round
 // into denormals (exp_u20 flushes them, and is off by millions of ULP on
 // [-87.34, -86]). Checked on all 2^32 floats against double exp: at most 5
-// ULP, NaN for NaN, exp(+-inf) = inf, 0. Elsewhere: exp_u20 with the wrong
-// lanes (NaN, x < -86, x > 88) through Sleef's exp, as kl.exp.
-#if defined(CPU_CAPABILITY_AVX2)
+// ULP, NaN for NaN, exp(+-inf) = inf, 0. On AVX-512 the same operations on
+// 16 lanes (floor as roundscale toward -inf): checked on all 2^32 floats to
+// give the AVX2 version's bits (scripts/check_kl_fast_exp.py runs both
+// checks). Elsewhere: exp_u20 with the wrong lanes (NaN,
+// x < -86, x > 88) through Sleef's exp, as kl.exp.
+#if defined(CPU_CAPABILITY_AVX512)
+inline KlVec kl_fast_exp(const KlVec& xv) {
+  const __m512 x = xv;
+  __m512 s = _mm512_min_ps(_mm512_set1_ps(89.0f), x);  // NaN x: min_ps returns x
+  s = _mm512_max_ps(_mm512_set1_ps(-104.0f), s);       // and max_ps keeps it
+  const __m512 log2e = _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b));
+  const __m512 ln2 = _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(s, log2e, _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, ln2, s);  // |r| <= ln2 / 2
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n);  // in [-150, 128]
+  const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  const __m512 f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  return KlVec(_mm512_mul_ps(_mm512_mul_ps(p, f1), f2));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
 inline KlVec kl_fast_exp(const KlVec& xv) {
   const __m256 x = xv;
   __m256 s = _mm256_min_ps(_mm256_set1_ps(89.0f), x);  // NaN x: min_ps returns x
@@ -113,6 +139,37 @@ inline KlVec kl_fast_exp(const KlVec& x) {
   return KlVec::blendv(r, x.exp(), slow);
 }
 #endif
+// dst (n x m) = the transpose of src (m x n), both row-major and contiguous:
+// ATen's SIMD transposes (at::vec::transpose_mxn, what Inductor's C++
+// kernels call) on blocks, plain copies at the edges; only data moves, so
+// every path gives the same bits.
+inline void kl_transpose_f32(const float* __restrict src, int64_t m, int64_t n,
+                             float* __restrict dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int64_t B = 16;  // transpose_mxn<float> takes up to 16 x 16 per call
+#elif defined(CPU_CAPABILITY_AVX2)
+  constexpr int64_t B = 8;   // transpose_mxn<float, 8, 8>
+#else
+  constexpr int64_t B = 1;
+#endif
+  int64_t i = 0;
+  if constexpr (B > 1) {
+    for (; i + B <= m; i += B) {
+      int64_t j = 0;
+      for (; j + B <= n; j += B) {
+#if defined(CPU_CAPABILITY_AVX512)
+        at::vec::transpose_mxn<float>(src + i * n + j, n, dst + j * m + i, m, B, B);
+#elif defined(CPU_CAPABILITY_AVX2)
+        at::vec::transpose_mxn<float, 8, 8>(src + i * n + j, n, dst + j * m + i, m);
+#endif
+      }
+      for (; j < n; ++j)
+        for (int64_t r = i; r < i + B; ++r) dst[j * m + r] = src[r * n + j];
+    }
+  }
+  for (; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) dst[j * m + i] = src[i * n + j];
+}
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a > b ? a : b;
@@ -696,6 +753,13 @@ class _Emitter:
 
     def op_transpose(self, op):
         v, src = op.result, op.operands[0]
+        base = src.alias_of or src
+        if (TRANSPOSE_BLOCKS and v.id in self.buffers and v.dtype == torch.float32
+                and src.affine is None and base.shape != () and base.id in self.buffers):
+            # both in buffers, row-major and contiguous: blocked SIMD transposes
+            m, n = src.shape
+            self.line(f"kl_transpose_f32({base.name}, {m}, {n}, {v.name});")
+            return
         self.assign(v, lambda idx: self.elem(src, [idx[1], idx[0]]), src.dtype)
 
     # Vectorised float32 elementwise ops (at::vec::Vectorized<float>, the
