@@ -164,6 +164,27 @@ def test_scatter_with_chunk_sizes_and_streams_and_gather():
     assert_same(into, x)
 
 
+def test_scatter_with_fewer_streams_than_devices_and_an_empty_chunk():
+    # comm.cpp uses streams[i] only where given; a chunk of size 0 is allowed
+    x = torch.randn(5, 3)
+    stream = torch.kiln.Stream(0)
+    chunks = comm.scatter(x, [0, 1], chunk_sizes=[5, 0], streams=[stream])
+    stream.synchronize()
+    assert [tuple(c.shape) for c in chunks] == [(5, 3), (0, 3)]
+    assert_same(chunks[0], x)
+    outs = [torch.empty(0, 3, device="kiln:0"), torch.empty(5, 3, device="kiln:1")]
+    comm.scatter(x, out=outs, streams=[None])
+    assert_same(outs[1], x)
+
+
+def test_broadcast_coalesced_gives_a_tensor_given_twice_two_copies():
+    a = torch.randn(3, device="kiln:0")
+    copies = comm.broadcast_coalesced([a, a], [0, 1])[1]
+    assert copies[0] is not copies[1]
+    copies[0].add_(1)
+    assert_same(copies[1], a.cpu())
+
+
 def test_gather_along_dim_1():
     parts = [torch.randn(2, 3, device="kiln:0"), torch.randn(2, 5, device="kiln:1")]
     assert_same(comm.gather(parts, dim=1, destination=1),
@@ -201,12 +222,18 @@ def test_bad_input_gets_clear_errors():
         comm.broadcast_coalesced([t], ())
     with pytest.raises(RuntimeError, match="3 chunk sizes for 2 devices"):
         comm.scatter(t, [0, 1], chunk_sizes=[1, 1, 2])
-    with pytest.raises(RuntimeError, match="1 streams for 2 chunks"):
-        comm.scatter(t, [0, 1], streams=[torch.kiln.Stream(0)])
     with pytest.raises(RuntimeError, match="at least one device \\(or output tensor\\)"):
         comm.scatter(t, out=[])
-    with pytest.raises(RuntimeError, match="chunk sizes must be positive"):
+    with pytest.raises(RuntimeError, match="chunk sizes must not be negative"):
         comm.scatter(t, [0, 1], chunk_sizes=[5, -1])
+    with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range "
+                                         r"of \[-2, 1\], but got -3\)"):
+        comm.gather([torch.randn(2, 3, device="kiln:0"), torch.randn(2, 3, device="kiln:1")],
+                    dim=-3, destination=0)
+    with pytest.raises(TypeError, match="out must be a list or tuple of tensors, got Tensor"):
+        comm.broadcast(t, out=torch.zeros(2, 4, device="kiln:1"))
+    with pytest.raises(RuntimeError, match="kiln device index True is out of range"):
+        comm.broadcast(t, [True, False])
     with pytest.raises(RuntimeError, match="stream at index 0 .* to match the device"):
         comm.scatter(t, [0, 1], streams=[torch.kiln.Stream(1), None])
     with pytest.raises(RuntimeError, match="invalid size"):
@@ -218,11 +245,19 @@ def test_bad_input_gets_clear_errors():
     # outputs of broadcast and scatter must be on kiln, as CUDA's must be on CUDA,
     # and nothing is written before that is checked
     kept = torch.full((2,), 7.0, device="kiln:0")
+    whole = torch.full((4,), 7.0, device="kiln:0")
     with pytest.raises(RuntimeError, match="output tensor at index 1 has device 'cpu'"):
-        comm.broadcast(t, out=[torch.empty(4, device="kiln:0"), torch.empty(4)])
+        comm.broadcast(t, out=[whole, torch.empty(4)])
     with pytest.raises(RuntimeError, match="output tensor at index 1 has device 'cpu'"):
         comm.scatter(t, out=[kept, torch.empty(2)])
+    with pytest.raises(RuntimeError, match=r"same shape as the source tensor \(4,\), but output "
+                                           r"tensor at index 1 has shape \(3,\)"):
+        comm.broadcast(t, out=[whole, torch.zeros(3, device="kiln:1")])
+    with pytest.raises(RuntimeError, match=r"Output tensor at index 1 has incorrect shape: "
+                                           r"\(2, 2\)"):
+        comm.scatter(t, out=[kept, torch.zeros(2, 2, device="kiln:1")])
     assert_same(kept, torch.full((2,), 7.0))
+    assert_same(whole, torch.full((4,), 7.0))
     # nothing the user had is lost: the source is intact
     assert_same(t, source)
 

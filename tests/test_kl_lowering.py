@@ -372,3 +372,108 @@ def test_transpose_of_a_buffered_tile_is_exact(shape, monkeypatch):
         results.append(out.cpu())
     assert torch.equal(results[0], (x * 2.0).t())
     assert torch.equal(results[1], results[0])
+
+
+# Note [kl loop-carried state] (tracer.py): found by a helper's adversarial
+# run; compiled kernels silently differed from the simulator.
+
+@kl.jit
+def _swap_kernel(oa, ob, x, n_iter, N: kl.constexpr, TRANSPOSED: kl.constexpr):
+    r = kl.arange(0, N)
+    a = kl.load(x, (r[:, None], r[None, :]))
+    b = a * 10.0
+    s, u = kl.sum(kl.sum(a, axis=1), axis=0), kl.sum(kl.sum(b, axis=1), axis=0)  # scalars
+    for _ in kl.range(0, n_iter, 1):
+        if TRANSPOSED:
+            a, b = kl.transpose(b), a
+        else:
+            a, b = b, a
+        s, u = u, s + 1.0
+    kl.store(oa, (r[:, None], r[None, :]), a + s)
+    kl.store(ob, (r[:, None], r[None, :]), b + u)
+
+
+@kl.jit
+def _shift_kernel(oa, ob, x, n_iter, N: kl.constexpr):
+    r = kl.arange(0, N)
+    a = kl.load(x, (r,))
+    b = kl.zeros((N,), kl.float32)
+    for _ in kl.range(0, n_iter, 1):
+        a, b = a + 1.0, a  # b takes a's state of the iteration before
+    kl.store(oa, (r,), a)
+    kl.store(ob, (r,), b)
+
+
+def _compiled_and_simulated(kernel, outs, args, **constexprs):
+    compiled = [o.to("kiln") for o in outs]
+    kernel[(1,)](*compiled, *[a.to("kiln") if isinstance(a, torch.Tensor) else a for a in args],
+                 **constexprs)
+    simulated = [o.clone() for o in outs]
+    kl.jit(kernel.fn, simulate=True)[(1,)](*simulated, *args, **constexprs)
+    return [o.cpu() for o in compiled], simulated
+
+
+@pytest.mark.parametrize("n_iter", [0, 1, 2, 3])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_swapped_loop_carried_tiles_and_scalars(n_iter, transposed):
+    x = torch.arange(16.0).reshape(4, 4)
+    outs = [torch.zeros(4, 4), torch.zeros(4, 4)]
+    compiled, simulated = _compiled_and_simulated(_swap_kernel, outs, [x, n_iter], N=4,
+                                                  TRANSPOSED=transposed)
+    a, b, s, u = x, x * 10.0, x.sum(), (x * 10.0).sum()
+    for _ in range(n_iter):
+        a, b = (b.t() if transposed else b), a
+        s, u = u, s + 1.0
+    assert torch.equal(simulated[0], a + s) and torch.equal(simulated[1], b + u)
+    assert torch.equal(compiled[0], simulated[0]) and torch.equal(compiled[1], simulated[1])
+
+
+@pytest.mark.parametrize("n_iter", [1, 2, 3])
+def test_a_carried_tile_taking_another_carried_tiles_state(n_iter):
+    x = torch.arange(4.0)
+    compiled, simulated = _compiled_and_simulated(_shift_kernel, [torch.zeros(4), torch.zeros(4)],
+                                                  [x, n_iter], N=4)
+    assert torch.equal(simulated[0], x + n_iter) and torch.equal(simulated[1], x + n_iter - 1)
+    assert torch.equal(compiled[0], simulated[0]) and torch.equal(compiled[1], simulated[1])
+
+
+@kl.jit
+def _shared_start_kernel(oa, ob, x, n_iter, N: kl.constexpr, COPY: kl.constexpr):
+    r = kl.arange(0, N)
+    t = kl.load(x, (r,))
+    a = b = kl.zeros((N,), kl.float32)
+    if COPY:
+        b = a * 1
+    for _ in kl.range(0, n_iter, 1):
+        a = a + t
+        b = b + 10.0
+    kl.store(oa, (r,), a)
+    kl.store(ob, (r,), b)
+
+
+@kl.jit
+def _alias_of_state_kernel(out, x, n_iter, N: kl.constexpr):
+    r = kl.arange(0, N)
+    t = kl.load(x, (r,))
+    acc = t
+    for _ in kl.range(0, n_iter, 1):
+        acc = acc + t
+    kl.store(out, (r,), acc + t)
+
+
+def test_two_names_on_one_tile_before_a_loop_that_assigns_one_is_an_error():
+    x = torch.arange(4.0)
+    outs = [torch.zeros(4, device="kiln"), torch.zeros(4, device="kiln")]
+    with pytest.raises(kl.KernelError, match=r"kl kernel '_shared_start_kernel' at .*"
+                                         r"test_kl_lowering.py:\d+: 'a' and 'b' hold the same "
+                                         r"tile when the kl.range loop starts"):
+        _shared_start_kernel[(1,)](*outs, x.to("kiln"), 2, N=4, COPY=False)
+    with pytest.raises(kl.KernelError, match="'acc' and 't' hold the same tile .* for example "
+                                         "acc = kl.zeros\\(...\\) or acc = t \\* 1"):
+        _alias_of_state_kernel[(1,)](outs[0], x.to("kiln"), 2, N=4)
+    # the fix the message names works, compiled as simulated
+    compiled, simulated = _compiled_and_simulated(_shared_start_kernel,
+                                                  [torch.zeros(4), torch.zeros(4)], [x, 2],
+                                                  N=4, COPY=True)
+    assert torch.equal(simulated[0], 2 * x) and torch.equal(simulated[1], torch.full((4,), 20.0))
+    assert torch.equal(compiled[0], simulated[0]) and torch.equal(compiled[1], simulated[1])

@@ -27,12 +27,14 @@ accelerator (``torch.accelerator.current_accelerator()``, as DataParallel's
 own device choice).
 
 Errors: ``RuntimeError`` (comm.cpp's messages, plus which kiln devices exist)
-for an empty device list, more chunk sizes or fewer streams than devices,
-a broadcast source not on ``devices[0]``, chunk sizes that do not sum to
-the size of ``dim`` or are not positive, a stream of another device, inputs
+for an empty device list, more chunk sizes than devices (fewer streams
+than devices leave the rest on the current streams, as in comm.cpp), a
+broadcast source not on ``devices[0]``, chunk sizes that do not sum to the
+size of ``dim`` or are negative, a stream of another device, inputs
 to gather on several device types or of mismatched shapes, an ``out=``
 tensor of broadcast or scatter that is not on kiln (gather's may be on the
-CPU), and a device index out of range (also the one a CPU batch meets first
+CPU) or of the wrong shape (all checked before anything is written), and a
+device index out of range (also the one a CPU batch meets first
 in DataParallel's scatter: see ``_checked_get_stream``).
 """
 
@@ -44,7 +46,7 @@ from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense
 
 def _kiln(index: int) -> torch.device:
     count = torch.kiln.device_count()
-    if not isinstance(index, int) or not 0 <= index < count:
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
         raise RuntimeError(f"torch.nn.parallel.comm: kiln device index {index!r} is out of "
                            f"range; this process has kiln devices 0 to {count - 1}")
     return torch.device("kiln", index)
@@ -67,14 +69,27 @@ def _for_kiln(tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and _current_accelerator_is_kiln()
 
 
-def _check_outputs_on_kiln(out) -> None:
+def _check_outputs_on_kiln(out, what: str) -> list:
     # comm.cpp's broadcast_out and scatter_out take device outputs only (its
     # gather_out also takes a CPU one, as gather's destination=-1 does)
+    if not isinstance(out, (list, tuple)):
+        raise TypeError(f"{what}: out must be a list or tuple of tensors, got "
+                        f"{type(out).__name__}")
     for i, o in enumerate(out):
         if not _is_kiln(o):
             device = o.device if isinstance(o, torch.Tensor) else type(o).__name__
             raise RuntimeError(f"Expected all output tensors to be kiln tensors, but output "
                                f"tensor at index {i} has device '{device}'")
+    return list(out)
+
+
+def _wrap_dim(dim: int, ndim: int) -> int:
+    """dim in [-ndim, ndim - 1] as a non-negative index (at::maybe_wrap_dim)."""
+    low, high = (-ndim, ndim - 1) if ndim > 0 else (-1, 0)
+    if not low <= dim <= high:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{low}, {high}], "
+                         f"but got {dim})")
+    return dim + ndim if dim < 0 else dim
 
 
 def _targets(devices, what: str) -> list[torch.device]:
@@ -99,13 +114,15 @@ def broadcast(tensor: torch.Tensor, devices) -> list[torch.Tensor]:
 
 def broadcast_out(tensor: torch.Tensor, out) -> list[torch.Tensor]:
     """comm.broadcast(out=...): copies ``tensor`` into each tensor of ``out``."""
-    _check_outputs_on_kiln(out)
-    for o in out:
+    out = _check_outputs_on_kiln(out, "broadcast")
+    for i, o in enumerate(out):  # every output checked before any is written
         if o.shape != tensor.shape:
-            raise RuntimeError(f"broadcast: an output tensor has shape {tuple(o.shape)}, "
-                               f"expected the input's {tuple(tensor.shape)}")
+            raise RuntimeError(f"Expected all output tensors to have same shape as the source "
+                               f"tensor {tuple(tensor.shape)}, but output tensor at index {i} "
+                               f"has shape {tuple(o.shape)}")
+    for o in out:
         o.copy_(tensor, non_blocking=True)
-    return list(out)
+    return out
 
 
 def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.Tensor]]:
@@ -117,7 +134,8 @@ def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.T
             raise RuntimeError(f"broadcast_coalesced: all tensors must be on devices[0] "
                                f"({targets[0]}), got one on {t.device}")
     outputs: list[list[torch.Tensor]] = [list(tensors)]
-    copied: list[dict[int, torch.Tensor]] = [{} for _ in targets]  # id(input) -> its copy
+    # id(input) -> its copies in input order (a tensor given twice gets two)
+    copied: list[dict[int, list[torch.Tensor]]] = [{} for _ in targets]
     for chunk in _take_tensors(list(tensors), buffer_size):  # one dtype and layout per chunk
         if chunk[0].is_sparse:
             raise RuntimeError("broadcast_coalesced: sparse tensors are not supported on kiln")
@@ -126,9 +144,10 @@ def broadcast_coalesced(tensors, devices, buffer_size: int) -> list[list[torch.T
             # .data: each output its own version counter (Note [Version Counter
             # in comm.*_coalesced] in torch/csrc/cuda/comm.cpp)
             for t, out in zip(chunk, _unflatten_dense_tensors(copies[i], chunk)):
-                copied[i][id(t)] = out.data
-    # (_take_tensors groups by dtype: each device's list is put back in input order)
-    outputs.extend([copied[i][id(t)] for t in tensors] for i in range(1, len(targets)))
+                copied[i].setdefault(id(t), []).append(out.data)
+    # (_take_tensors groups by dtype, keeping the input order within a dtype:
+    # each device's list is put back in input order)
+    outputs.extend([copied[i][id(t)].pop(0) for t in tensors] for i in range(1, len(targets)))
     return outputs
 
 
@@ -145,9 +164,15 @@ def _chunks(tensor: torch.Tensor, count: int, chunk_sizes, dim: int) -> list[tor
         raise RuntimeError(f"scatter: given chunk sizes don't sum up to the tensor's size "
                            f"(sum(chunk_sizes) == {sum(chunk_sizes)}, but expected "
                            f"{tensor.size(dim)})")
-    if any(size <= 0 for size in chunk_sizes):
-        raise RuntimeError(f"scatter: chunk sizes must be positive, got {chunk_sizes}")
+    if any(size < 0 for size in chunk_sizes):
+        raise RuntimeError(f"scatter: chunk sizes must not be negative, got {chunk_sizes}")
     return list(tensor.split(chunk_sizes, dim))
+
+
+def _stream_at(streams, i: int):
+    # comm.cpp: streams[i] where given (a shorter list leaves the rest on the
+    # current stream)
+    return streams[i] if streams is not None and i < len(streams) else None
 
 
 def _copy_on(stream, index: int, device: torch.device, copy):
@@ -165,13 +190,11 @@ def scatter(tensor: torch.Tensor, devices, chunk_sizes, dim: int, streams) -> li
     """comm.scatter: ``tensor`` split along ``dim``, chunk i on kiln ``devices[i]``
     (copied on ``streams[i]`` when given)."""
     targets = [_kiln(d) for d in devices]
+    dim = _wrap_dim(dim, tensor.dim())
     chunks = _chunks(tensor, len(targets), chunk_sizes, dim)
-    if streams is not None and len(streams) < len(chunks):
-        raise RuntimeError(f"scatter: {len(streams)} streams for {len(chunks)} chunks; give "
-                           f"one stream (or None) per device")
     out = []
     for i, chunk in enumerate(chunks):
-        stream = streams[i] if streams is not None else None
+        stream = _stream_at(streams, i)
         out.append(_copy_on(stream, i, targets[i],
                             lambda c=chunk, d=targets[i]: c.to(d, non_blocking=True,
                                                                  memory_format=torch.preserve_format)))
@@ -181,16 +204,27 @@ def scatter(tensor: torch.Tensor, devices, chunk_sizes, dim: int, streams) -> li
 def scatter_out(tensor: torch.Tensor, out, dim: int, streams) -> list[torch.Tensor]:
     """comm.scatter(out=...): chunk i (sized as ``out[i]`` along ``dim``) copied
     into ``out[i]``."""
-    _check_outputs_on_kiln(out)
-    sizes = [o.size(dim) for o in out]
-    chunks = _chunks(tensor, len(out), sizes, dim)
+    out = _check_outputs_on_kiln(out, "scatter")
+    if not out:
+        raise RuntimeError("scatter: expected at least one device (or output tensor) to scatter to")
+    dim = _wrap_dim(dim, tensor.dim())
+    for i, o in enumerate(out):  # every output checked before any is written (comm.cpp's checks)
+        if o.dim() != tensor.dim() or any(o.size(d) != tensor.size(d)
+                                          for d in range(tensor.dim()) if d != dim):
+            raise RuntimeError(f"Output tensor at index {i} has incorrect shape: "
+                               f"{tuple(o.shape)}. Expected same shape except for scatter dim "
+                               f"{dim} as the source tensor: {tuple(tensor.shape)}")
+    for i in range(len(out)):
+        stream = _stream_at(streams, i)
+        if stream is not None and stream.device != out[i].device:
+            raise RuntimeError(f"scatter: expected the device associated with the stream at "
+                               f"index {i} (was {stream.device}) to match the device supplied "
+                               f"at that index (expected {out[i].device})")
+    chunks = _chunks(tensor, len(out), [o.size(dim) for o in out], dim)
     for i, (chunk, o) in enumerate(zip(chunks, out)):
-        if o.shape != chunk.shape:
-            raise RuntimeError(f"scatter: output {i} has shape {tuple(o.shape)}, expected "
-                               f"{tuple(chunk.shape)}")
-        stream = streams[i] if streams is not None else None
-        _copy_on(stream, i, o.device, lambda c=chunk, o=o: o.copy_(c, non_blocking=True))
-    return list(out)
+        _copy_on(_stream_at(streams, i), i, o.device,
+                 lambda c=chunk, o=o: o.copy_(c, non_blocking=True))
+    return out
 
 
 def _gathered_shape(tensors, dim: int) -> list[int]:
@@ -200,7 +234,7 @@ def _gathered_shape(tensors, dim: int) -> list[int]:
     if any(t.device.type != "kiln" for t in tensors):
         raise RuntimeError(f"gather: expects all inputs on kiln devices, got "
                            f"{[str(t.device) for t in tensors]}")
-    dim = dim + first.dim() if dim < 0 else dim
+    dim = _wrap_dim(dim, first.dim())
     total = 0
     for t in tensors:
         if t.dim() != first.dim() or any(t.size(d) != first.size(d)
@@ -232,6 +266,8 @@ def gather(tensors, dim: int, destination) -> torch.Tensor:
 
 def gather_out(tensors, out: torch.Tensor, dim: int) -> torch.Tensor:
     """comm.gather(out=...): ``tensors`` concatenated along ``dim`` into ``out``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"gather: out must be a tensor, got {type(out).__name__}")
     shape = _gathered_shape(list(tensors), dim)
     if list(out.shape) != shape:
         raise RuntimeError(f"gather: out has shape {tuple(out.shape)}, expected {tuple(shape)}")

@@ -198,6 +198,7 @@ class _Range:
         if self.stage == 1:
             self.stage = 2
             after = frame.f_locals
+            carried = []  # (name, outer, the Tile the name holds at the end of the body)
             for name, outer in self.before_values.items():
                 now = after.get(name)
                 if not isinstance(now, Tile) or now.handle is outer or \
@@ -211,6 +212,16 @@ class _Range:
                                 "end of its body; it must keep shape and dtype (cast it)",
                                 self.loc)
                 t._value(now, self.loc)
+                carried.append((name, outer, now))
+            self._check_state_is_its_own(carried)
+            outers = {outer.id for _, outer, _ in carried}
+            for name, outer, now in carried:
+                inner = now.handle
+                if (inner.alias_of or inner).id in outers:
+                    # Note [kl loop-carried state]: the name ends the body
+                    # holding another carried tile's state (a, b = b, a), which
+                    # the copy-back below may overwrite first: copy it here.
+                    inner = t.op("cast", [now], outer.shape, outer.dtype, {}).handle
                 self.loop.carried.append((outer, inner))
                 # After the loop the name holds the carried storage.
                 now.handle = outer
@@ -219,6 +230,33 @@ class _Range:
             t.blocks[-1].ops.append(self.op)
             raise StopIteration
         raise StopIteration
+
+
+    def _check_state_is_its_own(self, carried) -> None:
+        """Note [kl loop-carried state]: a loop-carried name's tile before
+        the loop becomes the loop's state, updated in place at the end of
+        every iteration, and the traced body reads that one value wherever
+        the tile was read. So no other name may hold the same tile when the
+        loop starts: ``a = b = kl.zeros(...)`` then assigning both in the
+        loop, or ``acc = t`` then ``acc = acc + 1`` while ``t`` is still read,
+        would make the body (and code after the loop) read the other name's
+        state instead of its own tile; the simulator, which runs Python's
+        names, gives the right answer, so compiled kernels would silently
+        differ. Raises kl.KernelError naming both names and the fix.
+
+        The copy-back at the end of an iteration (lowering's op_for) writes
+        the states one after another, so a name that ends the body holding
+        another carried name's state (``a, b = b, a``; ``a, b = a + 1, a``)
+        gets a copy of it made in the body, before any state is written."""
+        for name, outer, _ in carried:
+            others = [other for other, value in self.before_values.items()
+                      if other != name and value is outer]
+            if others:
+                raise error(f"'{name}' and '{others[0]}' hold the same tile when the kl.range "
+                            f"loop starts, and the loop assigns '{name}' (a loop-carried "
+                            f"tile): give '{name}' a tile of its own before the loop, for "
+                            f"example {name} = kl.zeros(...) or {name} = {others[0]} * 1",
+                            self.loc)
 
 
 def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
