@@ -477,3 +477,110 @@ def test_two_names_on_one_tile_before_a_loop_that_assigns_one_is_an_error():
                                                   N=4, COPY=True)
     assert torch.equal(simulated[0], 2 * x) and torch.equal(simulated[1], torch.full((4,), 20.0))
     assert torch.equal(compiled[0], simulated[0]) and torch.equal(compiled[1], simulated[1])
+
+
+@kl.jit
+def _shrinking_bound_kernel(out, n, N: kl.constexpr):
+    r = kl.arange(0, N)
+    acc = kl.zeros((N,), kl.float32)
+    m = n * 1
+    for _ in kl.range(0, m, 1):
+        acc = acc + 1.0
+        m = m - 1  # Python's range read its end once
+    kl.store(out, (r,), acc + m * 100)
+
+
+@pytest.mark.parametrize("n", [0, 2, 5])
+def test_a_carried_loop_bound_is_read_once(n):
+    compiled, simulated = _compiled_and_simulated(_shrinking_bound_kernel, [torch.zeros(4)], [n],
+                                                  N=4)
+    assert torch.equal(simulated[0], torch.full((4,), float(n)))  # m ends at 0
+    assert torch.equal(compiled[0], simulated[0])
+
+
+@kl.jit
+def _same_tile_at_the_end_kernel(oa, ob, n, N: kl.constexpr, CASE: kl.constexpr):
+    r = kl.arange(0, N)
+    a = kl.zeros((N,), kl.float32)
+    b = kl.full((N,), 5.0, kl.float32)
+    for _ in kl.range(0, n, 1):  # LINE:same-at-end
+        if CASE == 0:
+            a = b = a + 1.0
+        else:
+            a = b
+    kl.store(oa, (r,), a)
+    kl.store(ob, (r,), b)
+
+
+@kl.jit
+def _old_value_kernel(oa, oo, n, N: kl.constexpr):
+    r = kl.arange(0, N)
+    a = kl.zeros((N,), kl.float32)
+    for _ in kl.range(0, n, 1):
+        old = a
+        a = a + 1.0
+    kl.store(oa, (r,), a)
+    kl.store(oo, (r,), old)
+
+
+def _accumulate(acc, n):
+    for _ in kl.range(0, n, 1):
+        acc = acc + 1.0
+    return acc
+
+
+@kl.jit
+def _loop_in_a_helper_kernel(o1, o2, x, n, N: kl.constexpr):
+    r = kl.arange(0, N)
+    a = kl.load(x, (r,))
+    s = _accumulate(a, n)
+    kl.store(o1, (r,), a)
+    kl.store(o2, (r,), s)
+
+
+@kl.jit
+def _tile_becomes_number_kernel(out, n, N: kl.constexpr):
+    a = kl.zeros((N,), kl.float32)
+    for _ in kl.range(0, n, 1):
+        a = 1.0
+    kl.store(out, (kl.arange(0, N),), a)
+
+
+def test_names_that_would_read_another_names_loop_state_are_errors():
+    two = [torch.zeros(4, device="kiln"), torch.zeros(4, device="kiln")]
+    for case in (0, 1):
+        with pytest.raises(kl.KernelError, match="'[ab]' and '[ab]' hold the same tile at the end "
+                                                 "of the kl.range loop's body"):
+            _same_tile_at_the_end_kernel[(1,)](*two, 2, N=4, CASE=case)
+    with pytest.raises(kl.KernelError, match="'old' holds the value 'a' had at the start of an "
+                                             "iteration .* copy it \\(old = a \\* 1\\)"):
+        _old_value_kernel[(1,)](*two, 2, N=4)
+    with pytest.raises(kl.KernelError, match="'acc' and 'a' \\(in _loop_in_a_helper_kernel' hold "
+                                             "the same tile when the kl.range loop starts"):
+        _loop_in_a_helper_kernel[(1,)](*two, torch.ones(4, device="kiln"), 2, N=4)
+    with pytest.raises(kl.KernelError, match="'a' is a tile before the kl.range loop and float "
+                                             "1.0 at the end of its body"):
+        _tile_becomes_number_kernel[(1,)](two[0], 2, N=4)
+
+
+@kl.jit
+def _moving_offsets_kernel(out, x, K, BK: kl.constexpr):
+    offs = kl.arange(0, BK)
+    z = kl.arange(0, 1)
+    acc = kl.zeros((1, BK), kl.float32)
+    for _ in kl.range(0, K, BK):
+        v = kl.load(x, (z[:, None], offs[None, :]), mask=offs[None, :] < K, other=0.0)
+        acc = acc + v
+        offs = offs + BK  # a carried int64 index tile: forms built from it must follow it
+    kl.store(out, (z[:, None], kl.arange(0, BK)[None, :]), acc + (offs[None, :] - offs[None, :]))
+
+
+@pytest.mark.parametrize("k", [0, 4, 16, 14])
+def test_index_tiles_built_from_a_carried_index_tile(k):
+    x = torch.arange(16.0).reshape(1, 16)[:, :max(k, 1)].contiguous()
+    compiled, simulated = _compiled_and_simulated(_moving_offsets_kernel, [torch.zeros(1, 4)],
+                                                  [x, k], BK=4)
+    padded = torch.nn.functional.pad(x[:, :k], (0, (-k) % 4))
+    expected = padded.reshape(1, -1, 4).sum(1) if k else torch.zeros(1, 4)
+    assert torch.equal(simulated[0], expected)
+    assert torch.equal(compiled[0], simulated[0])

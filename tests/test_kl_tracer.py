@@ -99,9 +99,19 @@ def used_after_loop(out, n):
 @kl.jit
 def float_scalar_carried(out, n):
     acc = 0.0
-    for k in kl.range(0, n):
+    for k in kl.range(0, n):  # LINE:float-carried
         acc = acc + kl.zeros((4,))
-    kl.store(out, kl.arange(0, 4), acc)  # LINE:float-carried
+    kl.store(out, kl.arange(0, 4), acc)
+
+
+@kl.jit
+def float_scalar_carried_stored_in_the_loop(out, n):
+    # (a prefix sum: nothing reads acc after the loop, and compiled code gave
+    # each element alone where the simulator summed)
+    acc = 0.0
+    for k in kl.range(0, n):  # LINE:prefix-sum
+        acc = acc + kl.load(out, (k,))
+        kl.store(out, (k,), acc)
 
 
 @kl.jit
@@ -220,7 +230,10 @@ def test_runtime_value_where_a_constant_is_required(device, kernel, marker, patt
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kernel,marker,pattern", [
     (used_after_loop, "LINE:after-loop", "made inside a kl.range loop is used after"),
-    (float_scalar_carried, "LINE:float-carried", "made inside a kl.range loop.*kl.zeros"),
+    (float_scalar_carried, "LINE:float-carried", "'acc' is the Python number 0.0 before the "
+                                                 "kl.range loop and a tile at the end of its body"),
+    (float_scalar_carried_stored_in_the_loop, "LINE:prefix-sum",
+     "'acc' is the Python number 0.0 before .* make it a tile before the loop"),
     (carried_changes_dtype, "LINE:changes-dtype", "loop-carried 'acc'.*float32.*int32"),
     (break_in_dynamic_loop, "LINE:break", "left early"),
 ])

@@ -1383,7 +1383,11 @@ class _Emitter:
         s = start.name if isinstance(start, ir.Value) else f"INT64_C({start})"
         e = end.name if isinstance(end, ir.Value) else f"INT64_C({end})"
         var = loop.var.name
-        self.line(f"for (int64_t {var} = {s}; {var} < {e}; {var} += {op.attrs['step']}) {{")
+        # the bounds are read once, as Python's range reads them: a carried
+        # scalar bound (n = n - 1 in the body) must not move the end
+        bound = self.fresh("kl_end")
+        self.line(f"const int64_t {bound} = {e};")
+        self.line(f"for (int64_t {var} = {s}; {var} < {bound}; {var} += {op.attrs['step']}) {{")
         self.indent += 1
         self.emit_block(loop.body)
         for outer, inner in loop.carried:

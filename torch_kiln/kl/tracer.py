@@ -56,7 +56,7 @@ class Tracer:
         self._loop_ids = iter(range(1, 1 << 30))
         self._value_ids = iter(range(1 << 62))
         self.written: set[str] = set()
-        self.deps: dict[int, set] = {}  # value id -> scalar Values its affine form reads
+        self.deps: dict[int, set] = {}  # value id -> the Values its affine form reads
 
     # -------------------------------------------------------------- values
     def describe(self, tile: Tile) -> str:
@@ -119,7 +119,9 @@ class Tracer:
         deps = set()
         for o in ops:
             if isinstance(o, ir.Value):
-                deps |= self.deps.get(o.id, set())
+                # the operand itself too: a form built from a tile's form is
+                # wrong once that tile is loop-carried (finalize drops both)
+                deps |= self.deps.get(o.id, set()) | {o}
         if kind == "arange":
             out = (str(attrs["start"]), ("1",))
         elif kind in ("add", "sub") and all(aff(o) is not None for o in ops):
@@ -183,6 +185,8 @@ class _Range:
             self.stage = 1
             self.before = {k: v for k, v in frame.f_locals.items() if isinstance(v, Tile)}
             self.before_values = {k: v.handle for k, v in self.before.items()}
+            self.before_numbers = {k: v for k, v in frame.f_locals.items()
+                                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.loop_id = next(t._loop_ids)
             start = t._value(self.start, self.loc) if isinstance(self.start, Tile) else self.start
             end = t._value(self.end, self.loc) if isinstance(self.end, Tile) else self.end
@@ -201,8 +205,16 @@ class _Range:
             carried = []  # (name, outer, the Tile the name holds at the end of the body)
             for name, outer in self.before_values.items():
                 now = after.get(name)
-                if not isinstance(now, Tile) or now.handle is outer or \
-                        now.handle is self.loop.var:  # the name is this loop's variable
+                if isinstance(now, Tile) and now.handle is self.loop.var:
+                    continue  # the name is this loop's variable
+                if not isinstance(now, Tile):
+                    if name in after:
+                        raise error(f"'{name}' is a tile before the kl.range loop and "
+                                    f"{type(now).__name__} {now!r} at the end of its body; a "
+                                    f"loop-carried name must stay a tile (kl.full(shape, "
+                                    f"value, dtype))", self.loc)
+                    continue
+                if now.handle is outer:
                     continue
                 inner = now.handle
                 if inner.shape != outer.shape or inner.dtype != outer.dtype:
@@ -213,16 +225,21 @@ class _Range:
                                 self.loc)
                 t._value(now, self.loc)
                 carried.append((name, outer, now))
-            self._check_state_is_its_own(carried)
+            self._check_numbers(after)
+            self._check_state_is_its_own(frame, after, carried)
+            # Every carried name's value at the end of the body, read before
+            # any Tile is pointed at its state below.
+            inners = [now.handle for _, _, now in carried]
             outers = {outer.id for _, outer, _ in carried}
-            for name, outer, now in carried:
-                inner = now.handle
+            for (name, outer, now), inner in zip(carried, inners):
                 if (inner.alias_of or inner).id in outers:
                     # Note [kl loop-carried state]: the name ends the body
                     # holding another carried tile's state (a, b = b, a), which
                     # the copy-back below may overwrite first: copy it here.
-                    inner = t.op("cast", [now], outer.shape, outer.dtype, {}).handle
+                    inner = t.op("cast", [Tile(inner.shape, inner.dtype, inner)], outer.shape,
+                                 outer.dtype, {}).handle
                 self.loop.carried.append((outer, inner))
+            for name, outer, now in carried:
                 # After the loop the name holds the carried storage.
                 now.handle = outer
             t.blocks.pop()
@@ -231,32 +248,75 @@ class _Range:
             raise StopIteration
         raise StopIteration
 
+    def _check_numbers(self, after) -> None:
+        """A name holding a Python number before the loop and a tile at the
+        end of its body (``s = 0.0``, then ``s = s + kl.load(...)``) would be
+        carried by Python's names in the simulator but is not a loop state:
+        an error naming it."""
+        for name, value in self.before_numbers.items():
+            now = after.get(name)
+            if isinstance(now, Tile) and now.handle is not self.loop.var:
+                raise error(f"'{name}' is the Python number {value!r} before the kl.range loop "
+                            f"and a tile at the end of its body; make it a tile before the "
+                            f"loop to carry it ({name} = kl.full((), {value!r}, kl.float32), or "
+                            f"kl.zeros(shape))", self.loc)
 
-    def _check_state_is_its_own(self, carried) -> None:
+    def _check_state_is_its_own(self, frame, after, carried) -> None:
         """Note [kl loop-carried state]: a loop-carried name's tile before
         the loop becomes the loop's state, updated in place at the end of
-        every iteration, and the traced body reads that one value wherever
-        the tile was read. So no other name may hold the same tile when the
-        loop starts: ``a = b = kl.zeros(...)`` then assigning both in the
-        loop, or ``acc = t`` then ``acc = acc + 1`` while ``t`` is still read,
-        would make the body (and code after the loop) read the other name's
-        state instead of its own tile; the simulator, which runs Python's
-        names, gives the right answer, so compiled kernels would silently
-        differ. Raises kl.KernelError naming both names and the fix.
+        every iteration; the traced body reads that one value wherever the
+        tile was read, and after the loop the Tile object the name holds is
+        pointed at the state. The simulator runs Python's names, so any other
+        name that shares one of those tiles would read another name's state
+        in compiled code only (silently different results). Each such case
+        raises kl.KernelError naming both names and the fix (a copy, ``* 1``):
+
+        - two names hold the same tile when the loop starts, in this frame
+          or a caller's (``a = b = kl.zeros(...)``; ``acc = t``; a helper
+          function's loop over its argument);
+        - a carried name ends the body holding the same tile as another name
+          that held a tile before the loop (``a = b = a + 1``; ``a = c``);
+        - a name ends the body holding a carried name's tile of the start of
+          the iteration (``old = a; a = a + 1``): after the loop it would
+          read the final state.
 
         The copy-back at the end of an iteration (lowering's op_for) writes
         the states one after another, so a name that ends the body holding
         another carried name's state (``a, b = b, a``; ``a, b = a + 1, a``)
         gets a copy of it made in the body, before any state is written."""
-        for name, outer, _ in carried:
+        names = {name for name, _, _ in carried}
+        for name, outer, now in carried:
             others = [other for other, value in self.before_values.items()
                       if other != name and value is outer]
+            caller = frame.f_back
+            while not others and caller is not None and caller.f_code is not trace.__code__:
+                others = [f"{other}' (in {caller.f_code.co_name}" for other, value in
+                          caller.f_locals.items() if isinstance(value, Tile) and
+                          value.handle is outer]
+                caller = caller.f_back
             if others:
                 raise error(f"'{name}' and '{others[0]}' hold the same tile when the kl.range "
                             f"loop starts, and the loop assigns '{name}' (a loop-carried "
                             f"tile): give '{name}' a tile of its own before the loop, for "
-                            f"example {name} = kl.zeros(...) or {name} = {others[0]} * 1",
-                            self.loc)
+                            f"example {name} = kl.zeros(...) or {name} = "
+                            f"{others[0].split(chr(39))[0]} * 1", self.loc)
+            # (a name made in the body may share it, m_i = m_new: after the
+            # loop both read the final state, which is both names' value)
+            sharing = [other for other, value in after.items()
+                       if other != name and value is now and other in self.before]
+            if sharing:
+                raise error(f"'{name}' and '{sharing[0]}' hold the same tile at the end of the "
+                            f"kl.range loop's body, and '{name}' is loop-carried: give it a "
+                            f"tile of its own, for example {name} = {sharing[0]} * 1", self.loc)
+        starts = {id(self.before[name]): name for name in names}
+        for other, value in after.items():
+            if other not in names and id(value) in starts and \
+                    self.before.get(other) is not value:
+                carried_name = starts[id(value)]
+                raise error(f"'{other}' holds the value '{carried_name}' had at the start of "
+                            f"an iteration of the kl.range loop, and the loop assigns "
+                            f"'{carried_name}': after the loop '{other}' would read its final "
+                            f"value; copy it ({other} = {carried_name} * 1)", self.loc)
 
 
 def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
@@ -308,8 +368,9 @@ def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
 
 def finalize(trace: ir.Trace, deps) -> None:
     """Drops affine forms the lowering cannot compute in place: loop-carried
-    values, and index tiles reading a loop-carried scalar (its value changes
-    after the tile was made)."""
+    values, and index tiles whose form reads a loop-carried scalar or was
+    built from a loop-carried tile's form (its value changes after the tile
+    was made: ``offs = offs + BK`` in the loop, ``offs[None, :]`` read)."""
     carried = set()
     for op in ir.walk(trace.block):
         if op.kind == "for":
