@@ -118,6 +118,9 @@ _ONE_WORKER_FILES = {
 }
 
 
+# tryfirst: xdist's own hook turns the marker into the node id's "@group"
+# suffix, so the marker must be on the items before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = _ONE_WORKER_FILES.get(item.path.name)

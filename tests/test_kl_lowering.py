@@ -555,8 +555,8 @@ def test_names_that_would_read_another_names_loop_state_are_errors():
     with pytest.raises(kl.KernelError, match="'old' holds the value 'a' had at the start of an "
                                              "iteration .* copy it \\(old = a \\* 1\\)"):
         _old_value_kernel[(1,)](*two, 2, N=4)
-    with pytest.raises(kl.KernelError, match="'acc' and 'a' \\(in _loop_in_a_helper_kernel' hold "
-                                             "the same tile when the kl.range loop starts"):
+    with pytest.raises(kl.KernelError, match="'acc' and 'a' \\(in _loop_in_a_helper_kernel\\) "
+                                             "hold the same tile when the kl.range loop starts"):
         _loop_in_a_helper_kernel[(1,)](*two, torch.ones(4, device="kiln"), 2, N=4)
     with pytest.raises(kl.KernelError, match="'a' is a tile before the kl.range loop and float "
                                              "1.0 at the end of its body"):

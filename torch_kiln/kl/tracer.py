@@ -286,20 +286,21 @@ class _Range:
         gets a copy of it made in the body, before any state is written."""
         names = {name for name, _, _ in carried}
         for name, outer, now in carried:
-            others = [other for other, value in self.before_values.items()
+            # (other name, where it is: "" in this frame, else " (in <function>)")
+            others = [(other, "") for other, value in self.before_values.items()
                       if other != name and value is outer]
             caller = frame.f_back
             while not others and caller is not None and caller.f_code is not trace.__code__:
-                others = [f"{other}' (in {caller.f_code.co_name}" for other, value in
-                          caller.f_locals.items() if isinstance(value, Tile) and
-                          value.handle is outer]
+                others = [(other, f" (in {caller.f_code.co_name})")
+                          for other, value in caller.f_locals.items()
+                          if isinstance(value, Tile) and value.handle is outer]
                 caller = caller.f_back
             if others:
-                raise error(f"'{name}' and '{others[0]}' hold the same tile when the kl.range "
+                other, where = others[0]
+                raise error(f"'{name}' and '{other}'{where} hold the same tile when the kl.range "
                             f"loop starts, and the loop assigns '{name}' (a loop-carried "
                             f"tile): give '{name}' a tile of its own before the loop, for "
-                            f"example {name} = kl.zeros(...) or {name} = "
-                            f"{others[0].split(chr(39))[0]} * 1", self.loc)
+                            f"example {name} = kl.zeros(...) or {name} = {other} * 1", self.loc)
             # (a name made in the body may share it, m_i = m_new: after the
             # loop both read the final state, which is both names' value)
             sharing = [other for other, value in after.items()
