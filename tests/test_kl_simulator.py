@@ -133,6 +133,50 @@ def test_simulated_results_match_pytorch():
         torch.testing.assert_close(mm[lo:hi], expected[:hi - lo], rtol=1e-2, atol=1e-2)
 
 
+SCALARS = (1.01, 0.3, -2.7182818, 1e-3, 257)  # 257: an int bf16 cannot hold
+HALF_OPS = (  # (name, kl on a tile t and a number s, torch's eager equivalent)
+    ("add", lambda t, s: t + s, None), ("sub", lambda t, s: t - s, None),
+    ("rsub", lambda t, s: s - t, None), ("mul", lambda t, s: t * s, None),
+    ("rmul", lambda t, s: s * t, None), ("div", lambda t, s: t / s, None),
+    ("maximum", lambda t, s: kl.maximum(t, s), torch.clamp_min),
+    ("eq", lambda t, s: t == s, None), ("lt", lambda t, s: t < s, None),
+    ("ge", lambda t, s: s >= t, None),
+)
+
+
+@kl.jit
+def with_numbers(out, x, BLOCK: kl.constexpr):
+    """out[op, scalar, :] = HALF_OPS[op](x, SCALARS[scalar]), as float32."""
+    offs = kl.program_id(0) * BLOCK + kl.arange(0, BLOCK)
+    inside = offs < x.shape[0]
+    t = kl.load(x, offs, mask=inside)
+    for o in kl.static_range(len(HALF_OPS)):
+        for k in kl.static_range(len(SCALARS)):
+            r = HALF_OPS[o][1](t, SCALARS[k])
+            kl.store(out, (o, k, offs), r.to(kl.float32), mask=inside)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_python_numbers_with_half_tiles_round_as_pytorch_simulated_and_compiled(
+        dtype, monkeypatch):
+    """Note [kl Python numbers with half tiles]: both modes give torch's bits."""
+    x = (torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x[:4] = torch.tensor([1.0, 0.3, 256.0, -2.71875])  # equal to some scalars once rounded
+    results = {}
+    for mode in ("compiled", "simulated"):
+        if mode == "simulated":
+            monkeypatch.setenv("KILN_KL_SIMULATE", "1")
+        out = torch.empty(len(HALF_OPS), len(SCALARS), x.shape[0], device="kiln")
+        with_numbers[(4,)](out, x.to("kiln"), BLOCK=256)
+        results[mode] = out.cpu()
+        monkeypatch.delenv("KILN_KL_SIMULATE", raising=False)
+    for o, (name, fn, torch_fn) in enumerate(HALF_OPS):
+        for k, s in enumerate(SCALARS):
+            expected = (torch_fn or fn)(x, s).float()
+            assert torch.equal(results["compiled"][o, k], results["simulated"][o, k]), (name, s)
+            assert torch.equal(results["compiled"][o, k], expected), (name, s)
+
+
 @kl.jit(simulate=True)
 def printing(out, x):
     t = kl.load(x, kl.arange(0, 4))

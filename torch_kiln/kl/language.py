@@ -127,12 +127,36 @@ _COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BITWISE = {"and", "or", "xor"}
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_scalar(kind: str, value, common):
+    """Python number ``value`` as a half-precision binary op uses it.
+
+    Note [kl Python numbers with half tiles]: PyTorch's CPU kernels round a
+    Python number to the tensor's dtype before ``+ - < == maximum`` etc. (the
+    TensorIterator casts it to the common dtype), but keep it at float32
+    precision in ``*`` and ``/`` (``mul_kernel``/``div_true_kernel`` take
+    ``original_scalar_value<opmath_t>``): ``bf16_t * 1.01`` uses 1.01f,
+    ``bf16_t + 1.01`` uses 1.0078125. kl does the same, here, at trace time, so
+    that the simulator and compiled code see one already-rounded number; both
+    then compute in float32 and round the result to the tile's dtype once.
+    (``x / t`` with x a number is one division; PyTorch's ``__rtruediv__``
+    is ``t.reciprocal() * x``, which rounds twice.)
+    """
+    if common not in _HALF or isinstance(value, Tile):
+        return value
+    target = torch.float32 if kind in ("mul", "div") else common
+    return torch.tensor(value, dtype=torch.float64).to(target).item()
+
+
 def binary(kind: str, a, b) -> Tile:
     a, b = _operand(a), _operand(b)
     if not isinstance(a, Tile) and not isinstance(b, Tile):
         a = full((), a, result_type(a))
     shape = broadcast_shapes(_shape(a), _shape(b))
     common = result_type(a, b)
+    a, b = _half_scalar(kind, a, common), _half_scalar(kind, b, common)
     if kind in _COMPARE:
         return _make(kind, [a, b], shape, torch.bool, common=common)
     if kind in _BITWISE:

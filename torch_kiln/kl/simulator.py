@@ -35,6 +35,8 @@ from torch_kiln.kl import ir, tile_model
 from torch_kiln.kl.errors import KernelError, error, state, user_location
 from torch_kiln.kl.tile import TensorArg, Tile
 
+_HALF = (torch.bfloat16, torch.float16)
+
 _UNARY = {
     "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "floor": torch.floor,
@@ -83,7 +85,10 @@ class Simulator:
             return x.to(dt) if isinstance(x, torch.Tensor) else x
 
         if kind in _BINARY:
-            common = attrs["common"]
+            # Halves compute in float32 and round once (op() casts the result),
+            # as compiled code and PyTorch's kernels do; Python numbers come
+            # already rounded (Note [kl Python numbers with half tiles]).
+            common = torch.float32 if attrs["common"] in _HALF else attrs["common"]
             a, b = (tensor(x, common) for x in data)
             if kind in ("floordiv", "mod") and isinstance(b, torch.Tensor) and \
                     bool((b == 0).any()):
