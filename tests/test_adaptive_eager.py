@@ -23,6 +23,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import assert_same, run_python
+from kl_helpers import private_kernel_cache  # noqa: F401
+from torch_kiln.kiln import _fused_kernels
 
 _C = torch_kiln._C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,20 +51,59 @@ def gated():
         open_gate()
 
 
-def fused_and_unfused(fn, *inputs):
+@contextlib.contextmanager
+def fused_kernels(enabled):
+    before = _C._fused_kernels_enabled()
+    _C._set_fused_kernels(enabled)
+    try:
+        yield
+    finally:
+        _C._set_fused_kernels(before)
+
+
+@pytest.fixture(params=["aten", "generated"])
+def kernels(request, private_kernel_cache):  # noqa: F811
+    """How a group runs its ops: each op's ATen kernel per tile, or generated
+    kernels (Note [Generated kernels for fusion groups])."""
+    return request.param
+
+
+# The ops a generated kernel computes (Note [Generated kernels for fusion
+# groups]); the others (exp, tanh, gelu) always run as their ATen kernels.
+GENERATED_OPS = {"aten::add.out", "aten::sub.out", "aten::mul.out", "aten::div.out",
+                 "aten::neg.out", "aten::sigmoid.out", "aten::relu", "aten::relu_"}
+
+
+def fused_and_unfused(fn, *inputs, kernels="aten"):
     """fn(*inputs) unfused (twice: an op's first calls may synchronize once to
     check its meta kernel, which would split a group), then fused behind a
-    gate. Returns (unfused results, fused results, get_fused_ops())."""
+    gate. With kernels="generated", a first fused run queues the builds of
+    the group's kernels, which are awaited, and the checked run must call one
+    exactly when a fused group holds an op of GENERATED_OPS. Returns
+    (unfused results, fused results, get_fused_ops())."""
     with adaptive_eager(False):
         fn(*inputs)
         expected = fn(*inputs)
     torch.kiln.synchronize()
-    torch.kiln.clear_op_tracking()
-    with adaptive_eager(True):
+    generated = kernels == "generated"
+    with adaptive_eager(True), fused_kernels(generated):
+        if generated:
+            with gated():
+                fn(*inputs)
+            torch.kiln.synchronize()
+            assert _fused_kernels.wait(600), _fused_kernels.stats()
+            assert _fused_kernels.stats()["failures"] == []
+        runs = _fused_kernels.stats()["runs"]
+        torch.kiln.clear_op_tracking()
         with gated():
             actual = fn(*inputs)
         torch.kiln.synchronize()
-    return expected, actual, torch.kiln.get_fused_ops()
+    fused = torch.kiln.get_fused_ops()
+    if generated:
+        ran = _fused_kernels.stats()["runs"] > runs
+        group_ops = {op for key in fused for op in key.split(", ")}
+        assert ran == bool(group_ops & GENERATED_OPS), (fused, _fused_kernels.stats())
+    return expected, actual, fused
 
 
 def assert_bits_equal(actual, expected):
@@ -146,10 +187,11 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def check_fused_chain(chain, x, y, key):
+def check_fused_chain(chain, x, y, key, kernels="aten"):
     """chain(a, b) on kiln fused gives one run of `key`, bit-identical to it
     unfused and to CPU's chain(x, y)."""
-    expected, actual, fused = fused_and_unfused(chain, x.to("kiln"), y.to("kiln"))
+    expected, actual, fused = fused_and_unfused(chain, x.to("kiln"), y.to("kiln"),
+                                                kernels=kernels)
     assert fused == {key: 1}
     assert_bits_equal(actual, expected)
     assert_bits_equal(actual, chain(x, y))
@@ -157,23 +199,25 @@ def check_fused_chain(chain, x, y, key):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name", sorted(BINARY))
-def test_binary_op_fused_is_bit_identical(name, n, threads):
+def test_binary_op_fused_is_bit_identical(name, n, threads, kernels):
     op, aten = BINARY[name]
     x, y = awkward_pair(n)
-    check_fused_chain(lambda a, b: [op(a, b), op(op(a, b), b)], x, y, f"{aten}, {aten}, {aten}")
+    check_fused_chain(lambda a, b: [op(a, b), op(op(a, b), b)], x, y, f"{aten}, {aten}, {aten}",
+                      kernels)
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("name", sorted(UNARY))
-def test_unary_op_fused_is_bit_identical(name, n, threads):
+def test_unary_op_fused_is_bit_identical(name, n, threads, kernels):
     op, aten = UNARY[name]
     x, y = awkward_pair(n)
     # op(x), op(y - x): ops over every special value and over their differences
-    check_fused_chain(lambda a, b: [op(a), op(b - a)], x, y, f"{aten}, aten::sub.out, {aten}")
+    check_fused_chain(lambda a, b: [op(a), op(b - a)], x, y, f"{aten}, aten::sub.out, {aten}",
+                      kernels)
 
 
 @pytest.mark.parametrize("name", sorted(INPLACE))
-def test_inplace_op_fused_is_bit_identical(name):
+def test_inplace_op_fused_is_bit_identical(name, kernels):
     op, aten = INPLACE[name]
     x, y = awkward_pair(1000)
 
@@ -183,7 +227,7 @@ def test_inplace_op_fused_is_bit_identical(name):
         op(a, b)
         return [a]
 
-    check_fused_chain(chain, x, y, f"{aten}, {aten}")
+    check_fused_chain(chain, x, y, f"{aten}, {aten}", kernels)
 
 
 def long_chain(a, b):
@@ -202,7 +246,7 @@ LONG_CHAIN_KEY = ("aten::add.out, aten::mul.out, aten::relu, aten::gelu.out, ate
 
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
 @pytest.mark.parametrize("where", ["default_stream", "side_stream"])
-def test_chain_on_each_device_and_stream(device, where):
+def test_chain_on_each_device_and_stream(device, where, kernels):
     x, y = awkward_pair(50_000, seed=1)
     kx, ky = x.to(device), y.to(device)
     torch.kiln.synchronize(device)
@@ -211,7 +255,7 @@ def test_chain_on_each_device_and_stream(device, where):
         side.wait_stream(torch.kiln.current_stream())
         context = torch.kiln.stream(side) if where == "side_stream" else contextlib.nullcontext()
         with context:
-            expected, actual, fused = fused_and_unfused(long_chain, kx, ky)
+            expected, actual, fused = fused_and_unfused(long_chain, kx, ky, kernels=kernels)
         torch.kiln.synchronize()
     assert fused == {LONG_CHAIN_KEY: 1}
     assert all(t.device == torch.device(device) for t in actual)
@@ -219,7 +263,7 @@ def test_chain_on_each_device_and_stream(device, where):
     assert_bits_equal(actual, long_chain(x, y))
 
 
-def test_intermediate_view_kept_by_python_is_written():
+def test_intermediate_view_kept_by_python_is_written(kernels):
     x, y = awkward_pair(4096)
     kx, ky = x.to("kiln"), y.to("kiln")
 
@@ -230,12 +274,12 @@ def test_intermediate_view_kept_by_python_is_written():
         e = d.relu()
         return [c, view, d, e]
 
-    expected, actual, fused = fused_and_unfused(chain, kx, ky)
+    expected, actual, fused = fused_and_unfused(chain, kx, ky, kernels=kernels)
     assert fused == {"aten::add.out, aten::mul.out, aten::relu": 1}
     assert_bits_equal(actual, expected)
 
 
-def test_inplace_ops_on_aliases():
+def test_inplace_ops_on_aliases(kernels):
     x, y = awkward_pair(4096)
     kx, ky = x.to("kiln"), y.to("kiln")
 
@@ -248,13 +292,13 @@ def test_inplace_ops_on_aliases():
         z = alias + a
         return [a, alias, z]
 
-    expected, actual, fused = fused_and_unfused(chain, kx, ky)
+    expected, actual, fused = fused_and_unfused(chain, kx, ky, kernels=kernels)
     assert fused == {"aten::add.out, aten::mul.out, aten::relu_, aten::add.out": 1}
     assert_bits_equal(actual, expected)
     assert_bits_equal(actual, chain(x, y))
 
 
-def test_partially_overlapping_tensors_are_not_fused_together():
+def test_partially_overlapping_tensors_are_not_fused_together(kernels):
     x, _ = awkward_pair(4097)
     kx = x.to("kiln")
 
@@ -265,7 +309,7 @@ def test_partially_overlapping_tensors_are_not_fused_together():
         c = b + 1
         return [a, b, c]
 
-    expected, actual, fused = fused_and_unfused(chain, kx)
+    expected, actual, fused = fused_and_unfused(chain, kx, kernels=kernels)
     assert fused == {"aten::mul.out, aten::add.out": 1}  # the add_ is not in their group
     assert_bits_equal(actual, expected)
     assert_bits_equal(actual, chain(x))
@@ -574,7 +618,7 @@ def test_profiler_names_the_fused_task_by_the_ops_it_replaced():
     assert "aten::add" not in kernels and "aten::mul" not in kernels
 
 
-def test_switch_from_the_environment():
+def test_switch_from_the_environment(tmp_path):
     code = """
 import torch, torch_kiln
 print(torch_kiln._C._adaptive_eager_enabled())
@@ -591,7 +635,7 @@ print(torch.kiln.get_fused_ops())
     assert off.stdout.split("\n")[:2] == ["False", "{}"]
     zero = run_python(code, {"KILN_ADAPTIVE_EAGER": "0"})
     assert zero.stdout.split("\n")[:2] == ["False", "{}"], zero.stderr
-    on = run_python(code, {"KILN_ADAPTIVE_EAGER": "1"})
+    on = run_python(code, {"KILN_ADAPTIVE_EAGER": "1", "KILN_KERNELS_CACHE_DIR": str(tmp_path)})
     assert on.returncode == 0, on.stderr
     lines = on.stdout.split("\n")
     assert lines[:2] == ["True", "{'aten::add.out, aten::mul.out': 2}"], on.stdout
@@ -599,6 +643,58 @@ print(torch.kiln.get_fused_ops())
                      {"KILN_ADAPTIVE_EAGER": "yes"})
     assert bad.returncode != 0
     assert "ValueError: KILN_ADAPTIVE_EAGER='yes' is invalid: expected 0" in bad.stderr
+
+
+_BUILD_THEN_EXIT = """
+import torch, torch_kiln
+a = torch.randn(1000, device="kiln")
+gate = torch_kiln._C._gate_stream(60.0)
+b = (a + 1) * 2
+gate()
+torch.kiln.synchronize()
+print(torch_kiln.kiln._fused_kernels.stats()["pending"])
+"""
+
+
+def test_exit_while_a_fused_kernel_builds(tmp_path):
+    # An empty cache: the build runs (a compiler, seconds) when Python exits;
+    # exit waits for it instead of crashing in the finalizing interpreter.
+    result = run_python(_BUILD_THEN_EXIT, {"KILN_ADAPTIVE_EAGER": "1",
+                                           "KILN_KERNELS_CACHE_DIR": str(tmp_path)})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "1\n"  # the build was still pending at exit
+
+
+def test_a_failed_build_is_recorded_and_its_ops_run_unfused():
+    code = """
+import torch, torch_kiln
+from torch_kiln.kiln import _fused_kernels
+
+def failing_builder(signature, source):
+    raise RuntimeError("no compiler here")
+
+torch_kiln._C._set_fused_kernel_builder(failing_builder)
+a = torch.randn(1000, device="kiln")
+expected = (a.cpu() + 1) * 2
+for _ in range(2):
+    gate = torch_kiln._C._gate_stream(60.0)
+    b = (a + 1) * 2
+    gate()
+    torch.kiln.synchronize()
+    assert _fused_kernels.wait(60)
+    assert torch.equal(b.cpu(), expected)
+stats = _fused_kernels.stats()
+print(stats["built"], stats["runs"], len(stats["failures"]))
+print(stats["failures"][0].splitlines()[0])  # then the builder's traceback
+print(torch.kiln.get_fused_ops())
+"""
+    result = run_python(code, {"KILN_ADAPTIVE_EAGER": "1"})
+    assert result.returncode == 0, result.stderr
+    counts, failure, fused = result.stdout.strip().split("\n")
+    assert counts == "0 0 1"  # one build tried, once; no kernel ran
+    assert failure.startswith("kiln adaptive eager: building the fused kernel for '")
+    assert "failed; that run of ops stays unfused: RuntimeError: no compiler here" in failure
+    assert fused == "{'aten::add.out, aten::mul.out': 2}"  # still one group per run
 
 
 def test_char_gpt_losses_with_fusion_on_equal_off(tmp_path):

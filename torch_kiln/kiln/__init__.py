@@ -21,7 +21,7 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
-from torch_kiln.kiln import amp, graphs, memory, nvtx
+from torch_kiln.kiln import _fused_kernels, amp, graphs, memory, nvtx
 from torch_kiln.kiln._device_queries import (
     KilnError,
     can_device_access_peer,
@@ -103,6 +103,10 @@ from torch_kiln.kiln.random import (
     set_rng_state,
     set_rng_state_all,
 )
+
+# adaptive eager's generated kernels are built by torch_kiln.kernels (a
+# callback; no thread starts here)
+_fused_kernels.register()
 
 _initialized = False
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -18,6 +20,7 @@
 #include <c10/util/SmallVector.h>
 
 #include "aten/ArgumentTensors.h"
+#include "aten/FusedKernels.h"
 #include "aten/KernelLaunch.h"
 #include "aten/KilnTask.h"
 #include "core/FailedResults.h"
@@ -141,6 +144,10 @@ struct FusibleSpec {
   std::optional<c10::OperatorHandle> runs;   // what runs per tile (the op itself unless set)
   int out_arg = -1;                          // the written argument, or -1: a fresh return
   bool prepend_zero = false;                 // relu: clamp_min(self, 0)
+  // Its form in a generated kernel (Note [Generated kernels for fusion
+  // groups]), or none: it always runs as its ATen kernel per tile.
+  std::optional<FusedForm> form;
+  bool negate_alpha = false;                 // sub: ATen runs add with -alpha
 };
 
 FusibleSpec makeSpec(const c10::OperatorHandle& op, const OpSchemaInfo& info) {
@@ -159,6 +166,18 @@ FusibleSpec makeSpec(const c10::OperatorHandle& op, const OpSchemaInfo& info) {
       }
       spec.fusible = spec.out_arg >= 0 && info.returns.size() == 1;
       spec.runs = op;
+      if (spec.name == "aten::add.out" || spec.name == "aten::sub.out") {
+        spec.form = FusedForm::Add;
+        spec.negate_alpha = spec.name == "aten::sub.out";
+      } else if (spec.name == "aten::mul.out") {
+        spec.form = FusedForm::Mul;
+      } else if (spec.name == "aten::div.out") {
+        spec.form = FusedForm::Div;
+      } else if (spec.name == "aten::neg.out") {
+        spec.form = FusedForm::Neg;
+      } else if (spec.name == "aten::sigmoid.out") {
+        spec.form = FusedForm::Sigmoid;
+      } // exp, tanh: MKL's VML (not Sleef) computes them in ATen; gelu: its own split
       return spec;
     }
   }
@@ -167,6 +186,7 @@ FusibleSpec makeSpec(const c10::OperatorHandle& op, const OpSchemaInfo& info) {
     spec.prepend_zero = true;
     spec.out_arg = spec.name == "aten::relu_" ? 0 : -1;
     spec.fusible = true;
+    spec.form = FusedForm::ClampMin;
   }
   return spec;
 }
@@ -411,6 +431,157 @@ void runTile(const FusionGroup& group, const FusedOp& op, int64_t start, int64_t
   op.spec->runs->redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
 }
 
+// ------------------------------------------------------------- segments
+
+// A run of consecutive ops of a group that executes one way: one generated
+// kernel over its vectorised body (Note [Generated kernels for fusion
+// groups]), or each op's ATen kernel per tile (`kernel` empty).
+struct Segment {
+  size_t first = 0, last = 0;          // ops [first, last)
+  std::optional<FusedKernel> kernel;
+  std::vector<uint32_t> buffers;       // the kernel's buffer k: group operand buffers[k]
+  std::vector<float> scalars;          // the kernel's scalar slots, this run's values
+};
+
+// A host scalar argument as ATen's kernel sees it: converted to float (the
+// TensorIterator casts a CPU scalar to the common dtype), or nullopt.
+std::optional<float> hostScalarValue(const c10::IValue& value) {
+  if (value.isScalar()) {
+    const c10::Scalar scalar = value.toScalar();
+    if (scalar.isFloatingPoint()) {
+      const double v = scalar.toDouble();
+      // Outside float's range Scalar::to<float> raises: leave it to ATen.
+      if (!std::isfinite(v) || std::abs(v) > std::numeric_limits<float>::max()) {
+        return std::nullopt;
+      }
+      return static_cast<float>(v);
+    }
+    if (scalar.isIntegral(/*includeBool=*/false)) {
+      return static_cast<float>(scalar.toLong());
+    }
+    return std::nullopt;
+  }
+  if (!value.isTensor()) {
+    return std::nullopt;
+  }
+  const at::Tensor& t = value.toTensor();
+  if (!t.defined() || !t.device().is_cpu() || t.dim() != 0) {
+    return std::nullopt;
+  }
+  switch (t.scalar_type()) {
+    case at::kFloat: return *t.const_data_ptr<float>();
+    case at::kDouble: return static_cast<float>(*t.const_data_ptr<double>());
+    case at::kLong: return static_cast<float>(*t.const_data_ptr<int64_t>());
+    case at::kInt: return static_cast<float>(*t.const_data_ptr<int32_t>());
+    default: return std::nullopt;
+  }
+}
+
+// Adds op `fused` to `plan` (its buffers and scalars to `segment`), or
+// returns false (nothing added) if it has no generated form this time.
+bool planOp(const FusedOp& fused, const FusionGroup& group, SegmentPlan& plan, Segment& segment) {
+  const FusibleSpec& spec = *fused.spec;
+  if (!spec.form.has_value()) {
+    return false;
+  }
+  const FusedForm form = *spec.form;
+  const size_t buffers_before = segment.buffers.size(), scalars_before = segment.scalars.size();
+  auto fail = [&] {
+    segment.buffers.resize(buffers_before);
+    segment.scalars.resize(scalars_before);
+    return false;
+  };
+  auto bufferOf = [&](uint32_t operand) {
+    for (size_t k = 0; k < segment.buffers.size(); ++k) {
+      if (segment.buffers[k] == operand) {
+        return static_cast<uint32_t>(k);
+      }
+    }
+    segment.buffers.push_back(operand);
+    return static_cast<uint32_t>(segment.buffers.size() - 1);
+  };
+  auto scalarSlot = [&](float value) {
+    segment.scalars.push_back(value);
+    return FusedValue{true, static_cast<uint32_t>(segment.scalars.size() - 1)};
+  };
+  // Stack slot `slot` as a value: a buffer, a host scalar, or nullopt.
+  auto valueAt = [&](uint32_t slot) -> std::optional<FusedValue> {
+    for (const auto& [s, operand] : fused.tensor_args) {
+      if (s == slot) {
+        return FusedValue{false, bufferOf(operand)};
+      }
+    }
+    if (slot >= fused.args.size()) {
+      return std::nullopt;
+    }
+    const auto value = hostScalarValue(fused.args[slot]);
+    if (!value.has_value()) {
+      return std::nullopt;
+    }
+    return scalarSlot(*value);
+  };
+  GeneratedOp op;
+  op.form = form;
+  const bool binary = form == FusedForm::Add || form == FusedForm::Mul ||
+      form == FusedForm::Div || form == FusedForm::ClampMin;
+  auto a = valueAt(0);
+  std::optional<FusedValue> b;
+  if (binary) {
+    b = valueAt(1);
+  }
+  if (!a.has_value() || (binary && !b.has_value()) || (a->is_scalar && (!b || b->is_scalar))) {
+    return fail();
+  }
+  op.a = *a;
+  if (binary) {
+    op.b = *b;
+  }
+  if (form == FusedForm::Add) {
+    if (fused.args.size() < 3) {
+      return fail();
+    }
+    auto alpha = hostScalarValue(fused.args[2]);
+    if (!alpha.has_value()) {
+      return fail();
+    }
+    op.alpha = scalarSlot(spec.negate_alpha ? -*alpha : *alpha);
+  }
+  if (binary && form != FusedForm::ClampMin) {
+    op.nan_winner = nanWinnerOf(form, op.a.is_scalar, op.b.is_scalar);
+    if (op.nan_winner < 0) {
+      return fail();
+    }
+  }
+  op.out = bufferOf(fused.written);
+  plan.ops.push_back(op);
+  return true;
+}
+
+// The group's ops cut into segments; with generated kernels off, or ops to
+// skip or fail, one ATen segment per op.
+std::vector<Segment> planSegments(const FusionGroup& group, bool generate) {
+  std::vector<Segment> segments;
+  const auto& ops = group.ops;
+  for (size_t k = 0; k < ops.size();) {
+    Segment segment;
+    segment.first = k;
+    SegmentPlan plan;
+    while (generate && k < ops.size() && planOp(ops[k], group, plan, segment)) {
+      ++k;
+    }
+    if (!plan.ops.empty()) {
+      plan.buffer_count = static_cast<uint32_t>(segment.buffers.size());
+      plan.scalar_count = static_cast<uint32_t>(segment.scalars.size());
+      segment.kernel = findFusedKernel(plan);
+    } else {
+      ++k; // an op with no generated form: on its own, as its ATen kernel
+    }
+    segment.last = k;
+    segments.push_back(std::move(segment));
+  }
+  return segments;
+}
+
 struct FusionGroupTask final : TaskBody {
   explicit FusionGroupTask(std::shared_ptr<FusionGroup> g) : group(std::move(g)) {}
 
@@ -457,19 +628,49 @@ struct FusionGroupTask final : TaskBody {
       }
     }
 
+    const bool generate = fusedKernelsEnabled() &&
+        std::find(skip.begin(), skip.end(), 1) == skip.end() &&
+        std::find(inject.begin(), inject.end(), 1) == inject.end();
+    const std::vector<Segment> segments = planSegments(*group, generate);
+    for (const Segment& segment : segments) {
+      if (segment.kernel.has_value()) {
+        recordFusedKernelRun();
+      }
+    }
+
     std::atomic<int64_t> failed_op{-1};
     try {
       at::parallel_for(0, group->numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
         size_t k = 0;
+        c10::SmallVector<float*, 16> pointers;
         try {
           for (int64_t start = begin; start < end; start += kTileElements) {
             const int64_t count = std::min(kTileElements, end - start);
-            for (k = 0; k < ops.size(); ++k) {
-              if (skip[k]) {
+            for (const Segment& segment : segments) {
+              int64_t body = 0; // elements the generated kernel computes
+              if (segment.kernel.has_value()) {
+                // ATen's loop runs the last (range mod 2 x vector) elements
+                // of the range scalar: those stay with the ATen kernels.
+                const int64_t step = 2 * segment.kernel->vector_size;
+                body = start + count == end ? count / step * step : count;
+                if (body > 0) {
+                  pointers.clear();
+                  for (uint32_t operand : segment.buffers) {
+                    pointers.push_back(group->operands[operand].data + start);
+                  }
+                  segment.kernel->fn(pointers.data(), segment.scalars.data(), body);
+                }
+              }
+              if (body == count) {
                 continue;
               }
-              TORCH_CHECK(!inject[k], "injected failure (torch.kiln._fusion_fail_op)");
-              runTile(*group, ops[k], start, count);
+              for (k = segment.first; k < segment.last; ++k) {
+                if (skip[k]) {
+                  continue;
+                }
+                TORCH_CHECK(!inject[k], "injected failure (torch.kiln._fusion_fail_op)");
+                runTile(*group, ops[k], start + body, count - body);
+              }
             }
           }
         } catch (...) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "aten/AdaptiveEager.h"
+#include "aten/FusedKernels.h"
 #include "aten/KilnTask.h"
 #include "aten/OpTracking.h"
 #include "core/KilnFunctions.h"
@@ -197,6 +198,38 @@ PYBIND11_MODULE(_C, m) {
   m.def("_adaptive_eager_enabled", &at::kiln::adaptiveEagerEnabled);
   m.def("_set_adaptive_eager", &at::kiln::setAdaptiveEager);
   m.def("_fusion_fail_op", &at::kiln::failNextFusedOp);
+  // Generated kernels for fusion groups (Note [Generated kernels for fusion
+  // groups]; torch_kiln/kiln/_fused_kernels.py registers the builder).
+  m.def("_fused_kernels_enabled", &at::kiln::fusedKernelsEnabled);
+  m.def("_set_fused_kernels", &at::kiln::setFusedKernelsEnabled);
+  m.def("_set_fused_kernel_builder", [](py::function build) {
+    // Called on the build thread: takes the GIL, unless Python is gone.
+    auto* held = new py::function(std::move(build)); // leaked: used until exit
+    at::kiln::setFusedKernelBuilder([held](const std::string& signature,
+                                           const std::string& source) {
+      TORCH_CHECK(Py_IsInitialized() && !_Py_IsFinalizing(), "the Python interpreter is exiting");
+      py::gil_scoped_acquire gil;
+      try {
+        auto result = (*held)(signature, source).cast<std::pair<uintptr_t, int64_t>>();
+        return at::kiln::FusedKernel{reinterpret_cast<at::kiln::FusedKernelFn>(result.first),
+                                     result.second};
+      } catch (py::error_already_set& e) {
+        throw std::runtime_error(e.what());
+      }
+    });
+  });
+  m.def("_stop_fused_kernel_builds", &at::kiln::stopFusedKernelBuilds,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_wait_for_fused_kernels", &at::kiln::waitForFusedKernelBuilds,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_fused_kernel_stats", [] {
+    py::dict stats;
+    stats["built"] = at::kiln::builtFusedKernelCount();
+    stats["pending"] = at::kiln::pendingFusedKernelBuilds();
+    stats["runs"] = at::kiln::fusedKernelRuns();
+    stats["failures"] = at::kiln::fusedKernelBuildFailures();
+    return stats;
+  });
   m.def("_gate_stream", [](double timeout_s) {
     // For tests: device work that waits until the returned gate is opened
     // (or timeout_s passed), so work queued behind it deterministically
