@@ -87,14 +87,11 @@ namespace at::kiln {
 // payloads, ±inf, ±0.0, denormals and extremes, in sizes that exercise the
 // tail, several tiles and several threads.
 //
-// Why not an Inductor kernel yet: the issue wants the compile path's kernel
-// generator (an FX graph of the queued ops through kiln's Inductor C++
-// backend, compiled in the background, cached on disk by the group's
-// signature). This increment builds the queue side (group formation, the
-// closing rules, one task, profiler names, op tracking, error naming); a
-// generated kernel can replace the per-tile ATen calls inside runGroup once it
-// is shown to be bit-identical, which for Inductor's vectorised code is not
-// given (its loops have their own tails and use FMA where ATen may not).
+// Generated kernels. Runs of ops with a generated form (add, sub, mul, div,
+// neg, relu, sigmoid) run as one kernel over each tile's vector body once it
+// is built; the rest, and the tails, as ATen's kernels (Note [Generated
+// kernels for fusion groups] in FusedKernels.cc, which also says why it is
+// not Inductor's generator).
 //
 // Errors. An op that fails inside a fused run makes the group's task fail
 // with "kiln::fused_elementwise: <op> (op k of n of a fused run of <ops>):
