@@ -8,12 +8,17 @@ sub, neg, div: all on the fusion whitelist, Note [Adaptive eager fusion]).
 Rows (us per chain, end to end: k chains, one synchronize at the end; CPU
 column: the same chain eagerly on the CPU), at 4096 and 2^20 elements:
 
-  unfused:             kiln with adaptive eager off (KILN_ADAPTIVE_EAGER=0)
+  unfused:              kiln with adaptive eager off (KILN_ADAPTIVE_EAGER=0)
   fused, ATen per tile: on, each op of a group run as its ATen kernel tile
-                        by tile (torch_kiln._C._set_fused_kernels(False))
-  fused, generated:     on, with the generated kernels (the default; Note
-                        [Generated kernels for fusion groups]): built
-                        before timing, so no row waits for a compiler.
+                        by tile (torch_kiln._C._set_fused_kernels("aten"))
+  fused, interpreter:   on, runs of ops through the one generated
+                        interpreter ("interpreted")
+  fused, own kernels:   on, each run of ops its own generated kernel
+                        ("specialized"). The default ("adaptive") runs the
+                        interpreter until a run of ops is hot, then its own
+                        kernel (Note [Generated kernels for fusion groups]).
+                        Kernels are built before timing, so no row waits
+                        for a compiler.
 The chains queue behind one another, so how many ops a group gets depends
 on how far Python runs ahead.
 
@@ -56,34 +61,34 @@ def _build_kernels(body) -> None:
             return
 
 
-MODES = (("unfused", False, False), ("fused, ATen per tile", True, False),
-         ("fused, generated", True, True))
+MODES = (("unfused", False, "aten"), ("fused, ATen per tile", True, "aten"),
+         ("fused, interpreter", True, "interpreted"), ("fused, own kernels", True, "specialized"))
 
 
 def chain_fused_vs_unfused(quick: bool) -> list[Row]:
     repetitions = 7 if quick else 15
     rows = []
-    previous = (torch_kiln._C._adaptive_eager_enabled(), torch_kiln._C._fused_kernels_enabled())
+    previous = (torch_kiln._C._adaptive_eager_enabled(), torch_kiln._C._fused_kernels_mode())
     try:
         for elements, k in ((4096, 50), (1 << 20, 5)):
             tensors = {d: (torch.randn(elements, device=d), torch.randn(elements, device=d))
                        for d in DEVICES}
 
-            def run(device, fused, generated):
+            def run(device, fused, kernels):
                 x, y = tensors[device]
 
                 def body():
                     torch_kiln._C._set_adaptive_eager(fused)
-                    torch_kiln._C._set_fused_kernels(generated)
+                    torch_kiln._C._set_fused_kernels(kernels)
                     for _ in range(k):
                         _chain(x, y)
-                if device == KILN and generated:
+                if device == KILN and fused and kernels != "aten":
                     _build_kernels(body)
                 return timed(device, body, k)
 
-            for label, fused, generated in MODES:
-                samples = interleaved({CPU: run(CPU, False, False),
-                                       KILN: run(KILN, fused, generated)},
+            for label, fused, kernels in MODES:
+                samples = interleaved({CPU: run(CPU, False, "aten"),
+                                       KILN: run(KILN, fused, kernels)},
                                       repetitions, warmup=2)
                 rows.append(row_from_samples(
                     "fusion", f"8-op elementwise chain ({elements} elem): {label}", "us/chain",

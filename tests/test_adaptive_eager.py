@@ -52,19 +52,20 @@ def gated():
 
 
 @contextlib.contextmanager
-def fused_kernels(enabled):
-    before = _C._fused_kernels_enabled()
-    _C._set_fused_kernels(enabled)
+def fused_kernels(mode):
+    before = _C._fused_kernels_mode()
+    _C._set_fused_kernels(mode)
     try:
         yield
     finally:
         _C._set_fused_kernels(before)
 
 
-@pytest.fixture(params=["aten", "generated"])
+@pytest.fixture(params=["aten", "interpreted", "specialized"])
 def kernels(request, private_kernel_cache):  # noqa: F811
-    """How a group runs its ops: each op's ATen kernel per tile, or generated
-    kernels (Note [Generated kernels for fusion groups])."""
+    """How a group runs its ops: each op's ATen kernel per tile, the
+    generated interpreter, or each run's own generated kernel (Note
+    [Generated kernels for fusion groups])."""
     return request.param
 
 
@@ -77,7 +78,8 @@ GENERATED_OPS = {"aten::add.out", "aten::sub.out", "aten::mul.out", "aten::div.o
 def fused_and_unfused(fn, *inputs, kernels="aten"):
     """fn(*inputs) unfused (twice: an op's first calls may synchronize once to
     check its meta kernel, which would split a group), then fused behind a
-    gate. With kernels="generated", a first fused run queues the builds of
+    gate. With generated kernels ("interpreted" or "specialized"), a first
+    fused run queues the builds of
     the group's kernels, which are awaited, and the checked run must call one
     exactly when a fused group holds an op of GENERATED_OPS. Returns
     (unfused results, fused results, get_fused_ops())."""
@@ -85,8 +87,8 @@ def fused_and_unfused(fn, *inputs, kernels="aten"):
         fn(*inputs)
         expected = fn(*inputs)
     torch.kiln.synchronize()
-    generated = kernels == "generated"
-    with adaptive_eager(True), fused_kernels(generated):
+    generated = kernels != "aten"
+    with adaptive_eager(True), fused_kernels(kernels):
         if generated:
             with gated():
                 fn(*inputs)
@@ -695,6 +697,56 @@ print(torch.kiln.get_fused_ops())
     assert failure.startswith("kiln adaptive eager: building the fused kernel for '")
     assert "failed; that run of ops stays unfused: RuntimeError: no compiler here" in failure
     assert fused == "{'aten::add.out, aten::mul.out': 2}"  # still one group per run
+
+
+def _peculiar_run(a, b):
+    # A run of generated ops no other test forms, so its plan's own kernel
+    # is not built yet when the adaptive test starts.
+    x = a
+    for _ in range(3):
+        x = (-x).sigmoid()
+    return x * b
+
+
+def test_adaptive_mode_runs_the_interpreter_until_a_plan_is_hot(private_kernel_cache):  # noqa: F811
+    a, b = awkward_pair(5000)
+    a, b = a.to("kiln"), b.to("kiln")
+    with adaptive_eager(False):
+        expected = _peculiar_run(a, b).cpu()
+    hot = _C._FUSED_KERNEL_HOT_PLAN_RUNS
+    with adaptive_eager(True), fused_kernels("adaptive"):
+        def fused_run():
+            with gated():
+                result = _peculiar_run(a, b)
+            torch.kiln.synchronize()
+            assert_same(result.cpu(), expected)
+
+        fused_run()  # queues the interpreter's build, at most: ATen per tile meanwhile
+        assert _fused_kernels.wait(600), _fused_kernels.stats()
+        built, interpreted = (_fused_kernels.stats()[key] for key in ("built", "interpreted_runs"))
+        assert _fused_kernels.stats()["interpreter"]
+        for _ in range(hot - 2):
+            fused_run()
+        stats = _fused_kernels.stats()
+        assert stats["interpreted_runs"] == interpreted + hot - 2, stats
+        assert (stats["built"], stats["pending"]) == (built, 0), stats  # not hot yet
+        fused_run()  # the plan's 64th run: its own kernel is queued
+        assert _fused_kernels.wait(600), _fused_kernels.stats()
+        assert _fused_kernels.stats()["built"] == built + 1
+        stats = _fused_kernels.stats()
+        fused_run()
+        after = _fused_kernels.stats()
+        assert after["runs"] == stats["runs"] + 1  # its own kernel ran, not the interpreter
+        assert after["interpreted_runs"] == stats["interpreted_runs"]
+        assert after["failures"] == []
+
+
+def test_set_fused_kernels_rejects_an_unknown_mode():
+    before = _C._fused_kernels_mode()
+    with pytest.raises(ValueError, match=r"_set_fused_kernels\('fast'\): expected 'aten', "
+                                         r"'interpreted', 'specialized' or 'adaptive'"):
+        _C._set_fused_kernels("fast")
+    assert _C._fused_kernels_mode() == before == "adaptive"
 
 
 def test_char_gpt_losses_with_fusion_on_equal_off(tmp_path):

@@ -59,7 +59,10 @@ def wait(timeout: float = 300.0) -> bool:
 
 
 def stats() -> dict:
-    """{"built": kernels built, "pending": builds queued or running,
+    """{"built": kernels of their own built (one per signature),
+    "interpreter": whether the shared interpreter is built,
+    "pending": builds queued or running,
     "runs": generated kernel calls by fusion groups so far,
+    "interpreted_runs": how many of those ran the interpreter,
     "failures": [messages of failed builds]}."""
     return dict(_C._fused_kernel_stats())

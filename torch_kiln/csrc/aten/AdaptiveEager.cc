@@ -438,6 +438,7 @@ struct Segment {
   std::optional<FusedKernel> kernel;
   std::vector<uint32_t> buffers;       // the kernel's buffer k: group operand buffers[k]
   std::vector<float> scalars;          // the kernel's scalar slots, this run's values
+  std::vector<int32_t> program;        // for the interpreter (kernel->interpret)
 };
 
 // A host scalar argument as ATen's kernel sees it: converted to float (the
@@ -570,6 +571,9 @@ std::vector<Segment> planSegments(const FusionGroup& group, bool generate) {
       plan.buffer_count = static_cast<uint32_t>(segment.buffers.size());
       plan.scalar_count = static_cast<uint32_t>(segment.scalars.size());
       segment.kernel = findFusedKernel(plan);
+      if (segment.kernel.has_value() && segment.kernel->interpret != nullptr) {
+        segment.program = plan.program();
+      }
     } else {
       ++k; // an op with no generated form: on its own, as its ATen kernel
     }
@@ -625,13 +629,13 @@ struct FusionGroupTask final : TaskBody {
       }
     }
 
-    const bool generate = fusedKernelsEnabled() &&
+    const bool generate = fusedKernelMode() != FusedKernelMode::Aten &&
         std::find(skip.begin(), skip.end(), 1) == skip.end() &&
         std::find(inject.begin(), inject.end(), 1) == inject.end();
     const std::vector<Segment> segments = planSegments(*group, generate);
     for (const Segment& segment : segments) {
       if (segment.kernel.has_value()) {
-        recordFusedKernelRun();
+        recordFusedKernelRun(*segment.kernel);
       }
     }
 
@@ -655,7 +659,14 @@ struct FusionGroupTask final : TaskBody {
                   for (uint32_t operand : segment.buffers) {
                     pointers.push_back(group->operands[operand].data + start);
                   }
-                  segment.kernel->fn(pointers.data(), segment.scalars.data(), body);
+                  if (segment.kernel->fn != nullptr) {
+                    segment.kernel->fn(pointers.data(), segment.scalars.data(), body);
+                  } else {
+                    segment.kernel->interpret(
+                        segment.program.data(),
+                        static_cast<int64_t>(segment.program.size()) / kProgramWords,
+                        pointers.data(), segment.scalars.data(), body);
+                  }
                 }
               }
               if (body == count) {

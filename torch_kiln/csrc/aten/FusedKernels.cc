@@ -61,8 +61,23 @@ namespace at::kiln {
 // interface's builder: compiler flags, on-disk cache keyed by source, flags
 // and compiler, file lock), called from Python.
 //
-// Nothing waits for a compiler. The first group run with a new signature
-// queues a build and runs that segment unfused; a thread started at the
+// Two kinds of kernel. A plan's own kernel (SegmentPlan::source) is the
+// fastest, but a plan's signature records where the group began and ended,
+// and that depends on how far Python ran ahead: a chain of eight ops
+// queued behind one another forms dozens of signatures, and building each
+// (a compiler run of seconds, on one of this machine's two cores) cost more
+// than fusing saved on small tensors. So every plan can also run on the
+// interpreter (kInterpreterSource), one source for all plans and so one
+// build per machine (cached on disk): it runs the plan's program
+// (SegmentPlan::program) op by op over blocks that stay in L1, with the
+// same Vectorized<float> expression per op, so the same bits. In the
+// default mode (FusedKernelMode::Adaptive) a plan runs on the interpreter
+// until it has run kHotPlanRuns times, then its own kernel is queued and
+// used once built. Measured in bench/fusion.py (docs/performance.md).
+//
+// Nothing waits for a compiler. A group run whose kernel is not built
+// queues the build its mode asks for and runs that segment as ATen
+// kernels per tile; a thread started at the
 // first build request (one per process, leaked at exit) builds queued
 // signatures one at a time through the builder Python registered, holding
 // the GIL only inside it. Later runs find the kernel. A build that fails is
@@ -76,6 +91,121 @@ namespace {
 
 // ------------------------------------------------------------- sources
 
+// What every generated source starts with: the vector type, the NaN-winner
+// blend and the vector size the kernel was built for.
+constexpr const char* kSourcePrelude = R"(#include <ATen/cpu/vec/vec.h>
+#include <c10/util/bit_cast.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+using Vec = at::vec::Vectorized<float>;
+// r, but where a and b are both NaN the quieted NaN `winner` (one of them).
+inline Vec both_nan(Vec r, Vec a, Vec b, Vec winner) {
+  const Vec quiet(c10::bit_cast<float>(uint32_t{0x00400000}));
+  return Vec::blendv(r, winner | quiet, a.isnan() & b.isnan());
+}
+} // namespace
+
+extern "C" __attribute__((visibility("default"))) int64_t kiln_fused_vector_size() {
+  return Vec::size();
+}
+
+)";
+
+// The interpreter (Note [Generated kernels for fusion groups]): one source
+// for every plan, so one build per machine. It runs the program op by op
+// over blocks of kBlock elements small enough that a block of every buffer
+// stays in L1 between ops; each op computes what the plan's own kernel
+// computes for it (the same Vectorized<float> expressions), so the two give
+// the same bits. The words per op are SegmentPlan::program()'s.
+constexpr const char* kInterpreterSource = R"(
+namespace {
+constexpr int64_t kBlock = 512; // floats; a multiple of every 2 x vector size
+
+// out[i] = f(a[i], b[i]) over one block, an operand a buffer or a scalar.
+template <bool AScalar, bool BScalar, class F>
+void binary_block(F f, const float* a, Vec a_value, const float* b, Vec b_value, float* out,
+                  int64_t count) {
+  for (int64_t i = 0; i < count; i += Vec::size()) {
+    const Vec x = AScalar ? a_value : Vec::loadu(a + i);
+    const Vec y = BScalar ? b_value : Vec::loadu(b + i);
+    f(x, y).store(out + i);
+  }
+}
+
+template <class F>
+void binary(F f, const int32_t* op, float* const* buffers, const float* scalars, int64_t start,
+            int64_t count) {
+  float* out = buffers[op[6]] + start;
+  const bool a_scalar = op[1] != 0, b_scalar = op[3] != 0;
+  const float* a = a_scalar ? nullptr : buffers[op[2]] + start;
+  const float* b = b_scalar ? nullptr : buffers[op[4]] + start;
+  const Vec a_value(a_scalar ? scalars[op[2]] : 0.0f), b_value(b_scalar ? scalars[op[4]] : 0.0f);
+  if (a_scalar) {
+    binary_block<true, false>(f, a, a_value, b, b_value, out, count);
+  } else if (b_scalar) {
+    binary_block<false, true>(f, a, a_value, b, b_value, out, count);
+  } else {
+    binary_block<false, false>(f, a, a_value, b, b_value, out, count);
+  }
+}
+
+template <class F>
+void unary(F f, const int32_t* op, float* const* buffers, int64_t start, int64_t count) {
+  const float* a = buffers[op[2]] + start;
+  float* out = buffers[op[6]] + start;
+  for (int64_t i = 0; i < count; i += Vec::size()) {
+    f(Vec::loadu(a + i)).store(out + i);
+  }
+}
+} // namespace
+
+// Forms as FusedForm numbers them: Add, Mul, Div, Neg, ClampMin, Sigmoid.
+extern "C" __attribute__((visibility("default"))) void kiln_fused_kernel(
+    const int32_t* program, int64_t op_count, float* const* buffers, const float* scalars,
+    int64_t n) {
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min(kBlock, n - start);
+    for (int64_t k = 0; k < op_count; ++k) {
+      const int32_t* op = program + 8 * k;
+      const bool b_wins = op[7] != 0;
+      auto nan = [b_wins](Vec r, Vec a, Vec b) { return both_nan(r, a, b, b_wins ? b : a); };
+      switch (op[0]) {
+        case 0: {
+          const Vec alpha(scalars[op[5]]);
+          binary([&](Vec a, Vec b) { return nan(at::vec::fmadd(b, alpha, a), a, b); },
+                 op, buffers, scalars, start, count);
+          break;
+        }
+        case 1:
+          binary([&](Vec a, Vec b) { return nan(a * b, a, b); }, op, buffers, scalars, start,
+                 count);
+          break;
+        case 2:
+          binary([&](Vec a, Vec b) { return nan(a / b, a, b); }, op, buffers, scalars, start,
+                 count);
+          break;
+        case 3:
+          unary([](Vec a) { return a.neg(); }, op, buffers, start, count);
+          break;
+        case 4:
+          binary([](Vec a, Vec b) { return at::vec::clamp_min(a, b); }, op, buffers, scalars,
+                 start, count);
+          break;
+        case 5:
+          unary([](Vec a) { return (Vec(1.0f) + a.neg().exp()).reciprocal(); }, op, buffers,
+                start, count);
+          break;
+      }
+    }
+  }
+}
+)";
+
+// The registry's key for the interpreter (no plan's signature starts so).
+constexpr const char* kInterpreterSignature = "interpreter v1";
+
 const char* formName(FusedForm form) {
   switch (form) {
     case FusedForm::Add: return "add";
@@ -87,6 +217,13 @@ const char* formName(FusedForm form) {
   }
   return "?";
 }
+
+static_assert(static_cast<int>(FusedForm::Add) == 0 && static_cast<int>(FusedForm::Mul) == 1 &&
+                  static_cast<int>(FusedForm::Div) == 2 && static_cast<int>(FusedForm::Neg) == 3 &&
+                  static_cast<int>(FusedForm::ClampMin) == 4 &&
+                  static_cast<int>(FusedForm::Sigmoid) == 5,
+              "kInterpreterSource numbers the forms so");
+static_assert(kProgramWords == 8, "kInterpreterSource reads 8 words per op");
 
 bool isBinary(FusedForm form) {
   return form == FusedForm::Add || form == FusedForm::Mul || form == FusedForm::Div ||
@@ -117,28 +254,25 @@ std::string SegmentPlan::signature() const {
   return text;
 }
 
+std::vector<int32_t> SegmentPlan::program() const {
+  std::vector<int32_t> words;
+  words.reserve(ops.size() * kProgramWords);
+  for (const auto& op : ops) {
+    const int32_t encoded[kProgramWords] = {
+        static_cast<int32_t>(op.form), op.a.is_scalar, static_cast<int32_t>(op.a.index),
+        op.b.is_scalar, static_cast<int32_t>(op.b.index), static_cast<int32_t>(op.alpha.index),
+        static_cast<int32_t>(op.out), op.nan_winner};
+    words.insert(words.end(), encoded, encoded + kProgramWords);
+  }
+  return words;
+}
+
 std::string SegmentPlan::source() const {
   std::string s;
   s += "// A kiln adaptive eager fusion kernel (Note [Generated kernels for fusion groups]).\n";
   s += "// " + signature() + "\n";
-  s += R"(#include <ATen/cpu/vec/vec.h>
-#include <c10/util/bit_cast.h>
-#include <cstdint>
-
-namespace {
-using Vec = at::vec::Vectorized<float>;
-// r, but where a and b are both NaN the quieted NaN `winner` (one of them).
-inline Vec both_nan(Vec r, Vec a, Vec b, Vec winner) {
-  const Vec quiet(c10::bit_cast<float>(uint32_t{0x00400000}));
-  return Vec::blendv(r, winner | quiet, a.isnan() & b.isnan());
-}
-} // namespace
-
-extern "C" __attribute__((visibility("default"))) int64_t kiln_fused_vector_size() {
-  return Vec::size();
-}
-
-extern "C" __attribute__((visibility("default"))) void kiln_fused_kernel(
+  s += kSourcePrelude;
+  s += R"(extern "C" __attribute__((visibility("default"))) void kiln_fused_kernel(
     float* const* buffers, const float* scalars, int64_t n) {
 )";
   for (uint32_t k = 0; k < buffer_count; ++k) {
@@ -244,8 +378,10 @@ int nanWinnerOf(FusedForm form, bool a_is_scalar, bool b_is_scalar) {
 namespace {
 
 struct Entry {
-  enum class State { Queued, Built, Failed } state = State::Queued;
-  FusedKernel kernel;
+  // Seen: runs counted, no build asked for yet (Adaptive mode, not hot).
+  enum class State { Seen, Queued, Built, Failed } state = State::Seen;
+  BuiltLibrary library;
+  int64_t runs = 0; // findFusedKernel calls for the signature
 };
 
 struct Registry {
@@ -258,6 +394,9 @@ struct Registry {
   bool stopped = false; // stopFusedKernelBuilds: no builder call starts again
   FusedKernelBuilder builder;
   std::vector<std::string> failures;
+  // The interpreter's entry, once built (read without the mutex).
+  std::atomic<FusedInterpreterFn> interpreter{nullptr};
+  std::atomic<int64_t> interpreter_vector_size{0};
 };
 
 Registry*& registryPointer() {
@@ -271,10 +410,13 @@ void resetInForkedChild() {
   Registry* old = registryPointer();
   auto* fresh = new Registry();
   for (auto& [signature, entry] : old->entries) {
-    if (entry.state != Entry::State::Queued) {
-      fresh->entries.emplace(signature, entry);
+    if (entry.state == Entry::State::Queued) {
+      entry.state = Entry::State::Seen; // asked for again at its next run
     }
+    fresh->entries.emplace(signature, entry);
   }
+  fresh->interpreter.store(old->interpreter.load());
+  fresh->interpreter_vector_size.store(old->interpreter_vector_size.load());
   fresh->builder = old->builder;
   fresh->failures = old->failures;
   registryPointer() = fresh;
@@ -305,8 +447,8 @@ void buildLoop(Registry* r) {
     std::string failure;
     try {
       TORCH_CHECK(builder, "no fused kernel builder is registered (torch_kiln not imported?)");
-      result.kernel = builder(job.first, job.second);
-      TORCH_CHECK(result.kernel.fn != nullptr && result.kernel.vector_size > 0,
+      result.library = builder(job.first, job.second);
+      TORCH_CHECK(result.library.kernel != nullptr && result.library.vector_size > 0,
                   "the builder returned no kernel");
       result.state = Entry::State::Built;
     } catch (const std::exception& e) {
@@ -315,7 +457,13 @@ void buildLoop(Registry* r) {
           "' failed; that run of ops stays unfused: " + e.what();
     }
     std::lock_guard<std::mutex> lock(r->mutex);
-    r->entries[job.first] = result;
+    Entry& entry = r->entries[job.first];
+    entry.state = result.state;
+    entry.library = result.library;
+    if (job.first == kInterpreterSignature && result.state == Entry::State::Built) {
+      r->interpreter_vector_size.store(result.library.vector_size);
+      r->interpreter.store(reinterpret_cast<FusedInterpreterFn>(result.library.kernel));
+    }
     if (!failure.empty()) {
       r->failures.push_back(std::move(failure));
     }
@@ -324,32 +472,62 @@ void buildLoop(Registry* r) {
   }
 }
 
-std::atomic<bool> g_enabled{true};
-std::atomic<int64_t> g_runs{0};
+std::atomic<FusedKernelMode> g_mode{FusedKernelMode::Adaptive};
 
-} // namespace
-
-std::optional<FusedKernel> findFusedKernel(const SegmentPlan& plan) {
-  Registry& r = registry();
-  std::string signature = plan.signature();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  auto it = r.entries.find(signature);
-  if (it != r.entries.end()) {
-    if (it->second.state == Entry::State::Built) {
-      return it->second.kernel;
-    }
-    return std::nullopt;
+// Queues the build of `signature` (r.mutex held); false once stopped.
+void queueBuild(Registry& r, Entry& entry, std::string signature, std::string source,
+                bool first) {
+  entry.state = Entry::State::Queued;
+  if (first) {
+    r.queue.emplace_front(std::move(signature), std::move(source));
+  } else {
+    r.queue.emplace_back(std::move(signature), std::move(source));
   }
-  if (r.stopped) {
-    return std::nullopt;
-  }
-  r.entries.emplace(signature, Entry{});
-  r.queue.emplace_back(std::move(signature), plan.source());
   if (!r.thread_started) {
     r.thread_started = true;
     std::thread(buildLoop, &r).detach();
   }
   r.changed.notify_all();
+}
+std::atomic<int64_t> g_runs{0};
+std::atomic<int64_t> g_interpreted_runs{0};
+
+} // namespace
+
+std::optional<FusedKernel> findFusedKernel(const SegmentPlan& plan) {
+  const FusedKernelMode mode = g_mode.load(std::memory_order_relaxed);
+  if (mode == FusedKernelMode::Aten) {
+    return std::nullopt;
+  }
+  Registry& r = registry();
+  const bool own_kernel = mode != FusedKernelMode::Interpreted;
+  const bool interpreter = mode != FusedKernelMode::Specialized;
+  std::string signature = plan.signature();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  Entry& entry = r.entries[signature];
+  if (own_kernel && entry.state == Entry::State::Built) {
+    return FusedKernel{reinterpret_cast<FusedKernelFn>(entry.library.kernel), nullptr,
+                       entry.library.vector_size};
+  }
+  ++entry.runs;
+  if (r.stopped) {
+    return std::nullopt;
+  }
+  const int64_t hot = mode == FusedKernelMode::Adaptive ? kHotPlanRuns : 1;
+  if (own_kernel && entry.state == Entry::State::Seen && entry.runs >= hot) {
+    queueBuild(r, entry, std::move(signature), plan.source(), /*first=*/false);
+  }
+  if (!interpreter) {
+    return std::nullopt;
+  }
+  if (FusedInterpreterFn fn = r.interpreter.load()) {
+    return FusedKernel{nullptr, fn, r.interpreter_vector_size.load()};
+  }
+  Entry& interpreter_entry = r.entries[kInterpreterSignature];
+  if (interpreter_entry.state == Entry::State::Seen) {
+    queueBuild(r, interpreter_entry, kInterpreterSignature,
+               std::string(kSourcePrelude) + kInterpreterSource, /*first=*/true);
+  }
   return std::nullopt;
 }
 
@@ -364,19 +542,19 @@ void stopFusedKernelBuilds() {
   std::unique_lock<std::mutex> lock(r.mutex);
   r.stopped = true;
   for (const auto& job : r.queue) {
-    r.entries.erase(job.first); // never built in this process
+    r.entries[job.first].state = Entry::State::Seen; // never built in this process
   }
   r.queue.clear();
   r.changed.notify_all();
   r.changed.wait(lock, [&] { return r.building == 0; });
 }
 
-bool fusedKernelsEnabled() {
-  return g_enabled.load(std::memory_order_relaxed);
+FusedKernelMode fusedKernelMode() {
+  return g_mode.load(std::memory_order_relaxed);
 }
 
-void setFusedKernelsEnabled(bool enabled) {
-  g_enabled.store(enabled, std::memory_order_relaxed);
+void setFusedKernelMode(FusedKernelMode mode) {
+  g_mode.store(mode, std::memory_order_relaxed);
 }
 
 int64_t pendingFusedKernelBuilds() {
@@ -403,17 +581,28 @@ int64_t builtFusedKernelCount() {
   std::lock_guard<std::mutex> lock(r.mutex);
   int64_t count = 0;
   for (const auto& [signature, entry] : r.entries) {
-    count += entry.state == Entry::State::Built ? 1 : 0;
+    count += entry.state == Entry::State::Built && signature != kInterpreterSignature ? 1 : 0;
   }
   return count;
+}
+
+bool fusedInterpreterBuilt() {
+  return registry().interpreter.load() != nullptr;
 }
 
 int64_t fusedKernelRuns() {
   return g_runs.load(std::memory_order_relaxed);
 }
 
-void recordFusedKernelRun() {
+int64_t interpretedFusedKernelRuns() {
+  return g_interpreted_runs.load(std::memory_order_relaxed);
+}
+
+void recordFusedKernelRun(const FusedKernel& kernel) {
   g_runs.fetch_add(1, std::memory_order_relaxed);
+  if (kernel.interpret != nullptr) {
+    g_interpreted_runs.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 } // namespace at::kiln

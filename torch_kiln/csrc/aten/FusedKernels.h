@@ -43,6 +43,10 @@ struct GeneratedOp {
   int nan_winner = 0;
 };
 
+// Words per op of SegmentPlan::program(): form, a is scalar, a's index, b is
+// scalar, b's index, alpha's scalar index, out, nan_winner.
+constexpr int64_t kProgramWords = 8;
+
 // A run of generated ops over `buffer_count` float32 buffers and
 // `scalar_count` float scalars (values passed at each call).
 struct SegmentPlan {
@@ -52,6 +56,8 @@ struct SegmentPlan {
 
   // What decides the generated source: equal signatures, equal kernels.
   std::string signature() const;
+  // The ops as the interpreter reads them: kProgramWords int32 per op.
+  std::vector<int32_t> program() const;
   // The kernel's C++ source (extern "C" kiln_fused_kernel and
   // kiln_fused_vector_size), built with ATen's SIMD flags.
   std::string source() const;
@@ -59,20 +65,44 @@ struct SegmentPlan {
 
 // out[k][i] for i in [0, n): n a multiple of the kernel's vector size.
 using FusedKernelFn = void (*)(float* const* buffers, const float* scalars, int64_t n);
+// The shared interpreter: runs `op_count` ops encoded by
+// SegmentPlan::program() over the same buffers and scalars.
+using FusedInterpreterFn = void (*)(const int32_t* program, int64_t op_count,
+                                    float* const* buffers, const float* scalars, int64_t n);
 
+// A kernel for one plan: its own generated kernel (fn), or the interpreter
+// every plan can run on (interpret, with the plan's program).
 struct FusedKernel {
   FusedKernelFn fn = nullptr;
+  FusedInterpreterFn interpret = nullptr;
   int64_t vector_size = 0; // floats per at::vec::Vectorized<float> of the build
 };
 
-// The built kernel for `plan`, or nullopt if it is not built (yet, or ever:
-// its build failed). The first call for a signature queues its build on the
-// build thread (started then) and returns nullopt at once.
+// How fusion groups run their ops with a generated form (torch_kiln._C.
+// _set_fused_kernels(name), for tests and the bench):
+//   Aten         each op as its ATen kernel per tile (no generated code);
+//   Interpreted  the shared interpreter (one build per machine) only;
+//   Specialized  each plan's own kernel only, queued at its first run;
+//   Adaptive     (default) the interpreter until a plan has run
+//                kHotPlanRuns times, then the plan's own kernel.
+// Until the kernel a mode wants is built, the ops run as in Aten.
+enum class FusedKernelMode : uint8_t { Aten, Interpreted, Specialized, Adaptive };
+constexpr int64_t kHotPlanRuns = 64;
+
+// The kernel `plan` runs with in the current mode, or nullopt if none is
+// built yet (or ever: its build failed). Queues the builds the mode asks
+// for (the build thread starts at the first) and returns at once.
 std::optional<FusedKernel> findFusedKernel(const SegmentPlan& plan);
 
 // Builds one kernel: (signature, source) -> the kernel, or throws. Set once,
 // from Python (torch_kiln/kiln/_fused_kernels.py: build_library + dlopen).
-using FusedKernelBuilder = std::function<FusedKernel(const std::string&, const std::string&)>;
+// The builder returns the address of the source's kiln_fused_kernel and the
+// value of its kiln_fused_vector_size().
+struct BuiltLibrary {
+  void* kernel = nullptr;
+  int64_t vector_size = 0;
+};
+using FusedKernelBuilder = std::function<BuiltLibrary(const std::string&, const std::string&)>;
 void setFusedKernelBuilder(FusedKernelBuilder builder);
 
 // Stops building for good: forgets queued builds and waits for the one the
@@ -82,23 +112,23 @@ void setFusedKernelBuilder(FusedKernelBuilder builder);
 // without a built kernel then stay unfused.
 void stopFusedKernelBuilds();
 
-// Whether fusion groups use generated kernels (default) or run every op as
-// its ATen kernel per tile (torch_kiln._C._set_fused_kernels, for tests and
-// the bench).
-bool fusedKernelsEnabled();
-void setFusedKernelsEnabled(bool enabled);
+FusedKernelMode fusedKernelMode();
+void setFusedKernelMode(FusedKernelMode mode);
 
 // Builds queued or running; waits until none is left or `timeout_s` passes
 // (returns whether none is left). Failed builds: their messages, in order.
 int64_t pendingFusedKernelBuilds();
 bool waitForFusedKernelBuilds(double timeout_s);
 std::vector<std::string> fusedKernelBuildFailures();
-// Signatures with a built kernel.
+// Signatures with a built kernel of their own; whether the interpreter is built.
 int64_t builtFusedKernelCount();
+bool fusedInterpreterBuilt();
 // Calls of generated kernels by fusion groups (one per segment and group
-// run), since the process started; recordFusedKernelRun counts one.
+// run), since the process started, and how many of them were the
+// interpreter's; recordFusedKernelRun counts one.
 int64_t fusedKernelRuns();
-void recordFusedKernelRun();
+int64_t interpretedFusedKernelRuns();
+void recordFusedKernelRun(const FusedKernel& kernel);
 
 // Which operand's NaN ATen's kernel for `form` returns when both operands
 // are NaN (0: a, 1: b), with b a 0-dim host scalar if `b_is_scalar` and a

@@ -200,8 +200,30 @@ PYBIND11_MODULE(_C, m) {
   m.def("_fusion_fail_op", &at::kiln::failNextFusedOp);
   // Generated kernels for fusion groups (Note [Generated kernels for fusion
   // groups]; torch_kiln/kiln/_fused_kernels.py registers the builder).
-  m.def("_fused_kernels_enabled", &at::kiln::fusedKernelsEnabled);
-  m.def("_set_fused_kernels", &at::kiln::setFusedKernelsEnabled);
+  static constexpr std::pair<const char*, at::kiln::FusedKernelMode> kFusedKernelModes[] = {
+      {"aten", at::kiln::FusedKernelMode::Aten},
+      {"interpreted", at::kiln::FusedKernelMode::Interpreted},
+      {"specialized", at::kiln::FusedKernelMode::Specialized},
+      {"adaptive", at::kiln::FusedKernelMode::Adaptive}};
+  m.attr("_FUSED_KERNEL_HOT_PLAN_RUNS") = at::kiln::kHotPlanRuns;
+  m.def("_fused_kernels_mode", [] {
+    for (const auto& [name, mode] : kFusedKernelModes) {
+      if (mode == at::kiln::fusedKernelMode()) {
+        return std::string(name);
+      }
+    }
+    return std::string("?");
+  });
+  m.def("_set_fused_kernels", [](const std::string& name) {
+    for (const auto& [known, mode] : kFusedKernelModes) {
+      if (name == known) {
+        at::kiln::setFusedKernelMode(mode);
+        return;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "_set_fused_kernels('", name, "'): expected 'aten', 'interpreted', "
+                      "'specialized' or 'adaptive' (Note [Generated kernels for fusion groups])");
+  });
   m.def("_set_fused_kernel_builder", [](py::function build) {
     // Called on the build thread: takes the GIL, unless Python is gone.
     auto* held = new py::function(std::move(build)); // leaked: used until exit
@@ -211,8 +233,7 @@ PYBIND11_MODULE(_C, m) {
       py::gil_scoped_acquire gil;
       try {
         auto result = (*held)(signature, source).cast<std::pair<uintptr_t, int64_t>>();
-        return at::kiln::FusedKernel{reinterpret_cast<at::kiln::FusedKernelFn>(result.first),
-                                     result.second};
+        return at::kiln::BuiltLibrary{reinterpret_cast<void*>(result.first), result.second};
       } catch (py::error_already_set& e) {
         throw std::runtime_error(e.what());
       }
@@ -225,8 +246,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_fused_kernel_stats", [] {
     py::dict stats;
     stats["built"] = at::kiln::builtFusedKernelCount();
+    stats["interpreter"] = at::kiln::fusedInterpreterBuilt();
     stats["pending"] = at::kiln::pendingFusedKernelBuilds();
     stats["runs"] = at::kiln::fusedKernelRuns();
+    stats["interpreted_runs"] = at::kiln::interpretedFusedKernelRuns();
     stats["failures"] = at::kiln::fusedKernelBuildFailures();
     return stats;
   });
