@@ -474,7 +474,8 @@ void buildLoop(Registry* r) {
 
 std::atomic<FusedKernelMode> g_mode{FusedKernelMode::Adaptive};
 
-// Queues the build of `signature` (r.mutex held); false once stopped.
+// Queues the build of `signature` (r.mutex held; not after stopFusedKernelBuilds),
+// first in the queue if `first`, and starts the build thread if need be.
 void queueBuild(Registry& r, Entry& entry, std::string signature, std::string source,
                 bool first) {
   entry.state = Entry::State::Queued;
