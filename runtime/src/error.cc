@@ -136,6 +136,11 @@ KILN_API const char* kilnGetErrorName(kilnError_t error) {
     case kilnErrorIllegalState: return "kilnErrorIllegalState";
     case kilnErrorStreamCaptureUnsupported: return "kilnErrorStreamCaptureUnsupported";
     case kilnErrorStreamCaptureInvalidated: return "kilnErrorStreamCaptureInvalidated";
+    case kilnErrorStreamCaptureMerge: return "kilnErrorStreamCaptureMerge";
+    case kilnErrorStreamCaptureUnmatched: return "kilnErrorStreamCaptureUnmatched";
+    case kilnErrorStreamCaptureUnjoined: return "kilnErrorStreamCaptureUnjoined";
+    case kilnErrorStreamCaptureImplicit: return "kilnErrorStreamCaptureImplicit";
+    case kilnErrorCapturedEvent: return "kilnErrorCapturedEvent";
     case kilnErrorUnknown: return "kilnErrorUnknown";
   }
   return "kilnErrorUnrecognized";
@@ -158,6 +163,11 @@ KILN_API const char* kilnGetErrorString(kilnError_t error) {
     case kilnErrorIllegalState: return "the operation cannot be performed in the present state";
     case kilnErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
     case kilnErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case kilnErrorStreamCaptureMerge: return "operation would result in a merge of separate capture sequences";
+    case kilnErrorStreamCaptureUnmatched: return "capture was not ended in the same stream as it began";
+    case kilnErrorStreamCaptureUnjoined: return "capturing stream has unjoined work";
+    case kilnErrorStreamCaptureImplicit: return "operation would make the default stream depend on a capturing stream";
+    case kilnErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
     case kilnErrorUnknown: return "unknown error";
   }
   return "unrecognized error code";

@@ -64,6 +64,7 @@ kilnError_t CreateEvent(Runtime& rt, kilnEvent_t* event, unsigned int flags) {
     std::lock_guard<std::mutex> lock(ev->mu);
     ev->latest_gen = 0;
     ev->latest_time_ns = 0;
+    ev->captured = kiln::CapturedRecord();
     ev->pooled = false;
   }
   ev->flags.store(flags, std::memory_order_relaxed);
@@ -77,12 +78,28 @@ struct Snapshot {
   uint64_t latest;
   bool pending;
   int64_t time_ns;
+  bool captured;  // the latest record was made on a capturing stream
 };
+
+bool LatestIsCapturedLocked(const Event* ev) {
+  return ev->latest_gen != 0 && ev->captured.gen == ev->latest_gen;
+}
 
 Snapshot Snap(Event* ev) {
   std::lock_guard<std::mutex> lock(ev->mu);
   return Snapshot{ev->flags.load(std::memory_order_relaxed), ev->latest_gen,
-                  ev->latest_gen != 0 && ev->IsPendingLocked(ev->latest_gen), ev->latest_time_ns};
+                  ev->latest_gen != 0 && ev->IsPendingLocked(ev->latest_gen), ev->latest_time_ns,
+                  LatestIsCapturedLocked(ev)};
+}
+
+// kilnErrorCapturedEvent for `api` on an event whose latest record was
+// captured (Note [Cross-stream capture] in graph.cc): it has no time and
+// never completes outside a launch of the graph.
+kilnError_t FailCapturedEvent(kilnEvent_t event) {
+  return Fail(kilnErrorCapturedEvent,
+              "event %p was last recorded on a capturing stream, so it marks a point in a graph, "
+              "not work that runs; record it outside the capture to query, synchronize or time it",
+              static_cast<void*>(event));
 }
 
 // A completed event whose stream held a sticky error when the record ran
@@ -172,9 +189,24 @@ KILN_API kilnError_t kilnEventRecord(kilnEvent_t event, kilnStream_t stream) {
     Stream* s = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
     if (kilnError_t err = kiln::ResolveStream(rt, stream, &s)) return err;
-    if (kilnError_t err = s->RefuseIfCapturing(
-            "kilnEventRecord on the capturing stream (work across streams is not captured)"))
-      return err;
+    if (__builtin_expect(s->capturing(), 0)) {
+      // Note [Cross-stream capture]: a mark in the capture, nothing queued.
+      kiln::CapturedRecord record;
+      bool captured = false;
+      if (kilnError_t err = s->MarkCapturedRecord(&record, &captured)) return err;
+      if (captured) {
+        std::lock_guard<std::mutex> lock(ev->mu);
+        if (!ev->alive.load(std::memory_order_relaxed))
+          return Fail(kilnErrorInvalidResourceHandle, "event %p has been destroyed",
+                      static_cast<void*>(event));
+        record.gen = ++ev->next_gen;
+        ev->latest_gen = record.gen;
+        ev->latest_time_ns = 0;
+        ev->latest_failed_stream = nullptr;
+        ev->captured = std::move(record);
+        return kilnSuccess;
+      }
+    }
 
     uint64_t gen, prev_gen;
     int64_t prev_time;
@@ -227,14 +259,21 @@ KILN_API kilnError_t kilnStreamWaitEvent(kilnStream_t stream, kilnEvent_t event,
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
     activity.SetStream(s);
     uint64_t gen;
+    kiln::CapturedRecord captured;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
       gen = ev->latest_gen;
-      if (gen == 0 || !ev->IsPendingLocked(gen)) return kilnSuccess;  // already complete
+      if (kiln::LatestIsCapturedLocked(ev)) {
+        captured = ev->captured;
+      } else if (gen == 0 || !ev->IsPendingLocked(gen)) {
+        return kilnSuccess;  // already complete
+      }
     }
+    // Note [Cross-stream capture]: join the capture, or order within it.
+    if (captured.gen != 0) return s->WaitCapturedRecord(captured);
     if (kilnError_t err = s->RefuseIfCapturing(
-            "kilnStreamWaitEvent on the capturing stream for a record that has not completed "
-            "(work across streams is not captured)"))
+            "kilnStreamWaitEvent on the capturing stream for a record made outside the capture "
+            "that has not completed (a graph cannot wait for uncaptured work)"))
       return err;
     kiln::Entry e;
     e.kind = kiln::EntryKind::kWait;
@@ -252,7 +291,9 @@ KILN_API kilnError_t kilnEventQuery(kilnEvent_t event) {
   return ApiCall("kilnEventQuery", [&](Runtime& rt) {
     Event* ev = nullptr;
     if (kilnError_t err = kiln::ResolveEvent(rt, event, "event", &ev)) return err;
-    if (kiln::Snap(ev).pending) return kilnErrorNotReady;
+    const kiln::Snapshot snap = kiln::Snap(ev);
+    if (snap.captured) return kiln::FailCapturedEvent(event);
+    if (snap.pending) return kilnErrorNotReady;
     return kiln::TakeFailureBehind(ev);
   });
 }
@@ -268,6 +309,7 @@ KILN_API kilnError_t kilnEventSynchronize(kilnEvent_t event) {
       std::lock_guard<std::mutex> lock(ev->mu);
       gen = ev->latest_gen;
       if (gen == 0) return kilnSuccess;  // never recorded
+      if (kiln::LatestIsCapturedLocked(ev)) return kiln::FailCapturedEvent(event);
       const kiln::PendingRecords::Record* record = ev->pending.Find(gen);
       complete = record == nullptr;
       if (!complete) {
@@ -311,6 +353,9 @@ KILN_API kilnError_t kilnEventElapsedTime(float* ms, kilnEvent_t start, kilnEven
         return Fail(kilnErrorInvalidResourceHandle,
                     "the %s event %p has never been recorded; record both events first", roles[i],
                     static_cast<void*>(evs[i]));
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (snaps[i].captured) return kiln::FailCapturedEvent(i == 0 ? start : end);
     }
     for (int i = 0; i < 2; ++i) {
       if (snaps[i].pending)

@@ -33,6 +33,9 @@
 //   Event::mu         one event's generation state. Never held while
 //                     submitting to a stream, so a blocking-mode record that
 //                     completes inline can take it again.
+//   g_capture_mu      (graph.cc) every capture in progress and each stream's
+//                     part in one. Taken alone: never with Stream::mu_,
+//                     Event::mu or Device::mu (only Tracer::mu_ under it).
 //   HandlePool::mu_   the pool's free list.
 //   Tracer::mu_       the undrained activity records. Taken last: by a worker
 //                     after running an entry, by a caller at the end of an
@@ -255,6 +258,18 @@ class HandlePool {
 struct Event;
 class Stream;
 struct PendingActivity;
+struct Capture;
+
+// What kilnEventRecord on a capturing stream leaves in the event (Note
+// [Cross-stream capture] in graph.cc): no queued record, but the capture and
+// how far each of its streams had got, as seen from the recording stream.
+struct CapturedRecord {
+  uint64_t gen = 0;         // the event generation the record took; 0: none
+  uint64_t capture_id = 0;  // the capture's id (kilnStreamGetCaptureInfo)
+  // clock[i]: how many operations of the capture's member i the recording
+  // stream was ordered after (its own entry included).
+  std::vector<uint64_t> clock;
+};
 
 // The stream whose entry the calling thread is running right now (a worker
 // thread, or the launching thread in blocking mode), else nullptr.
@@ -371,15 +386,27 @@ class Stream {
   void AdvanceCompleted(uint64_t seq);
 
   // Capture (graph.cc, Note [Stream capture]). BeginCapture fails for the
-  // default stream or a stream already capturing; EndCapture hands over the
-  // recorded graph (or fails if the capture was invalidated, ending it).
+  // default stream or a stream already capturing; EndCapture (on the stream
+  // that began the capture) hands over the recorded graph, or fails if the
+  // capture was invalidated or a joined stream was not joined back, ending
+  // the capture either way.
   kilnError_t BeginCapture();
   kilnError_t EndCapture(Graph** out);
-  kilnStreamCaptureStatus CaptureStatus();
-  // If this stream is capturing: invalidates the capture and fails with
-  // kilnErrorStreamCaptureUnsupported naming `what`. Else kilnSuccess.
+  // *id (if given) receives the capture's id, 0 when not capturing.
+  kilnStreamCaptureStatus CaptureStatus(uint64_t* id = nullptr);
+  // If this stream is capturing (began or joined a capture): invalidates the
+  // capture and fails with kilnErrorStreamCaptureUnsupported naming `what`.
+  // Else kilnSuccess.
   kilnError_t RefuseIfCapturing(const char* what);
   bool capturing() const { return capturing_.load(std::memory_order_acquire); }
+  // kilnEventRecord on this stream: if it is capturing, fills *record with
+  // the capture's id and this stream's position in it and sets *captured
+  // (nothing is enqueued); fails with kilnErrorStreamCaptureInvalidated if
+  // the capture was invalidated. *captured false: record as usual.
+  kilnError_t MarkCapturedRecord(CapturedRecord* record, bool* captured);
+  // kilnStreamWaitEvent on this stream for an event whose latest record was
+  // captured: joins that capture or orders this member after the record.
+  kilnError_t WaitCapturedRecord(const CapturedRecord& record);
 
   bool alive() const { return alive_.load(std::memory_order_acquire); }
   int device() const { return device_.load(std::memory_order_relaxed); }
@@ -395,8 +422,6 @@ class Stream {
   // Submit while capturing: records `e` into the capture's graph (*captured
   // true) or refuses it; *captured false if the capture ended meanwhile.
   kilnError_t SubmitCaptured(Entry& e, uint64_t* seq, bool* consumed, bool* captured);
-  // mu_ held: invalidates the capture, returns the refusal's error.
-  kilnError_t InvalidateCaptureLocked(const char* what);
   // Runs the nodes of a launched graph (an entry of kind kGraph).
   kilnError_t RunGraph(const Graph& graph, TaskFailure* failure);
   // mu_ held. Makes room for one more work entry, waiting if the calling host
@@ -451,12 +476,13 @@ class Stream {
   std::atomic<uint64_t> skip_until_{0};
   TaskFailure sticky_failure_;
 
-  // Capture (Note [Stream capture]). capture_ and capture_error_ are
-  // guarded by mu_; capturing_ mirrors capture_ != nullptr for Submit's
-  // lock-free test.
+  // Capture (Note [Stream capture]): the capture this stream began or
+  // joined, and its index among the capture's members. Guarded by
+  // g_capture_mu (graph.cc); capturing_ mirrors capture_ != nullptr for
+  // Submit's lock-free test.
   std::atomic<bool> capturing_{false};
-  Graph* capture_ = nullptr;
-  std::string capture_error_;  // non-empty once the capture was invalidated
+  Capture* capture_ = nullptr;
+  size_t capture_member_ = 0;
 
   // Serialises inline execution in blocking mode (recursive: a task may
   // launch onto its own stream).
@@ -536,6 +562,9 @@ struct Event {
   // error then (see Note [Sticky stream errors]); nullptr otherwise.
   Stream* latest_failed_stream = nullptr;
   PendingRecords pending;
+  // The latest record made on a capturing stream; it is the event's latest
+  // record while captured.gen == latest_gen (Note [Cross-stream capture]).
+  CapturedRecord captured;
   bool pooled = true;  // on the pool's free list
 
   bool IsPendingLocked(uint64_t gen) const { return pending.Find(gen) != nullptr; }

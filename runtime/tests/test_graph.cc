@@ -147,10 +147,19 @@ TEST(Graph, OtherRefusalsInvalidateTheCapture) {
     const char* what;
     std::function<kilnError_t()> call;
   };
+  // A record on another stream that stays pending behind a gate.
+  kilnStream_t other = nullptr;
+  ASSERT_KILN_OK(kilnStreamCreate(&other));
+  auto gate = kiln_test::MakeGate();
+  kiln_test::GateGuard guard{gate};
+  ASSERT_KILN_OK(kiln_test::LaunchGate(other, gate));
+  kilnEvent_t pending = nullptr;
+  ASSERT_KILN_OK(kilnEventCreate(&pending));
+  ASSERT_KILN_OK(kilnEventRecord(pending, other));
   const std::vector<Case> cases = {
       {"query", [&] { return kilnStreamQuery(s); }},
       {"device sync", [&] { return kilnDeviceSynchronize(); }},
-      {"event record", [&] { return kilnEventRecord(event, s); }},
+      {"wait for uncaptured pending work", [&] { return kilnStreamWaitEvent(s, pending, 0); }},
       {"sync copy", [&] { return kilnMemcpyAsync(host, dev, 64, kilnMemcpyDeviceToHost, s); }},
       {"pageable copy", [&] { return kilnMemcpyAsync(dev, host, 64, kilnMemcpyHostToDevice, s); }},
       {"destroy", [&] { return kilnStreamDestroy(s); }},
@@ -160,6 +169,10 @@ TEST(Graph, OtherRefusalsInvalidateTheCapture) {
     EXPECT_KILN_ERR(c.call(), kilnErrorStreamCaptureUnsupported) << c.what;
     EXPECT_KILN_ERR(kilnStreamEndCapture(s, &graph), kilnErrorStreamCaptureInvalidated) << c.what;
   }
+  gate->Open();
+  ASSERT_KILN_OK(kilnStreamSynchronize(other));
+  ASSERT_KILN_OK(kilnEventDestroy(pending));
+  ASSERT_KILN_OK(kilnStreamDestroy(other));
   // A wait for a completed record is a no-op, allowed; a device copy and a
   // memset are captured.
   ASSERT_KILN_OK(kilnEventRecord(event, nullptr));

@@ -68,8 +68,10 @@ extern "C" {
  *    kilnStreamIsCapturing, kilnGraphLaunch, kilnGraphDestroy,
  *    kilnGraphGetNodeCount), kilnErrorIllegalState and the capture errors.
  * 5: kilnStreamGetSubmittedCount and kilnTaskSetActivityName (adaptive eager
- *    fusion). */
-#define KILN_RUNTIME_VERSION 5
+ *    fusion).
+ * 6: cross-stream capture (other streams join a capture through events),
+ *    kilnStreamGetCaptureInfo, and the capture errors 902, 903, 904, 906, 907. */
+#define KILN_RUNTIME_VERSION 6
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -96,6 +98,16 @@ typedef enum kilnError {
                                               invalidated)                    */
   kilnErrorStreamCaptureInvalidated = 901, /* the capture was invalidated by an
                                               earlier refused operation        */
+  kilnErrorStreamCaptureMerge = 902,  /* a wait would merge two captures       */
+  kilnErrorStreamCaptureUnmatched = 903, /* a capture ended on a stream that
+                                            only joined it                     */
+  kilnErrorStreamCaptureUnjoined = 904, /* a capture ended while a stream that
+                                           joined it has work the origin does
+                                           not wait for                       */
+  kilnErrorStreamCaptureImplicit = 906, /* the default stream would join a
+                                           capture                            */
+  kilnErrorCapturedEvent = 907,       /* query, synchronize or time an event
+                                         whose latest record was captured      */
   kilnErrorInterrupted = 990,         /* a host wait was abandoned because the
                                          host-wait callback asked to stop (no
                                          CUDA equivalent)                      */
@@ -452,28 +464,57 @@ KILN_API kilnError_t kilnEventElapsedTime(float* ms, kilnEvent_t start,
  * then enqueues the whole graph on a stream as ONE queue entry that runs the
  * recorded work in capture order, as many times as it is launched.
  *
+ * Other streams join a capture as in CUDA (fork and join through events):
+ *   - kilnEventRecord on a capturing stream records nothing to run; it marks
+ *     the event with the capture and the position of that stream's work.
+ *   - kilnStreamWaitEvent(other, event) on such an event makes `other` (a
+ *     stream of the same device, not its default stream) join the capture:
+ *     from then on its launches are recorded into the same graph, ordered
+ *     after the work the event marks. A stream of the capture waiting for
+ *     another member's event only adds that ordering.
+ *   - Before kilnStreamEndCapture of the stream that began the capture (the
+ *     origin), every joined stream must be joined back: the origin waits for
+ *     an event recorded on it after its last captured work. Otherwise the
+ *     capture fails with kilnErrorStreamCaptureUnjoined. Ending the capture
+ *     ends it for every joined stream; kilnStreamEndCapture on a joined
+ *     stream fails with kilnErrorStreamCaptureUnmatched (and invalidates the
+ *     capture).
+ * A graph's nodes from all its streams run in the order they were captured,
+ * one after another, on the stream the graph is launched on: an order that
+ * keeps every dependency the events expressed (each was captured before the
+ * work that waits for it), without the concurrency of the side streams.
+ *
  * A captured task's fn runs once per launch of its graph (with the same
  * userData), so fn must not consume userData; its release runs once, when
  * the graph is destroyed and its last launch has finished.
  *
- * Operations that would wait for the capturing stream, or that the model
- * cannot record, fail with kilnErrorStreamCaptureUnsupported ("operation not
- * permitted when stream is capturing") and invalidate the capture (CUDA's
+ * Operations that would wait for a capturing stream (the origin or one that
+ * joined), or that the model cannot record, fail with
+ * kilnErrorStreamCaptureUnsupported ("operation not permitted when stream is
+ * capturing") and invalidate the capture (CUDA's
  * cudaErrorStreamCaptureUnsupported / Invalidated):
- *   - kilnStreamSynchronize or kilnStreamQuery of the capturing stream,
+ *   - kilnStreamSynchronize or kilnStreamQuery of a capturing stream,
  *     kilnDeviceSynchronize of its device, kilnStreamDestroy of it;
  *   - a synchronous copy on it (into pageable host memory, or kilnMemcpy),
  *     and an asynchronous copy from pageable host memory (it would be staged
  *     once, at capture, where CUDA reads the host memory at each launch);
- *   - kilnEventRecord on it, and kilnStreamWaitEvent on it for a record
- *     that has not completed: work across streams is not captured (no fork
- *     and join of side streams, unlike CUDA). Waiting for a record that has
- *     already completed is a no-op and allowed;
+ *   - kilnStreamWaitEvent on it for a record made outside any capture that
+ *     has not completed (a graph cannot wait for uncaptured work). Waiting
+ *     for a record that has already completed is a no-op and allowed;
  *   - kilnGraphLaunch onto it (no child graphs).
- * After an invalidation every launch onto the stream fails with
+ * Cross-stream errors, each of which also invalidates the capture involved:
+ *   - kilnErrorStreamCaptureImplicit: the default stream would join (it
+ *     cannot capture, as CUDA's legacy stream); kilnErrorInvalidValue: a
+ *     stream of another device would join;
+ *   - kilnErrorStreamCaptureMerge: a stream of one capture waits for an
+ *     event recorded in another;
+ *   - kilnErrorCapturedEvent: kilnEventQuery, kilnEventSynchronize or
+ *     kilnEventElapsedTime of an event whose latest record was captured,
+ *     and kilnStreamWaitEvent for it once its capture has ended.
+ * After an invalidation every launch onto a stream of the capture fails with
  * kilnErrorStreamCaptureInvalidated (release is called, as for any failed
  * launch) until kilnStreamEndCapture, which returns that code and no graph.
- * Other streams, also of the same device, keep working normally.
+ * Streams outside the capture, also of the same device, keep working normally.
  *
  * A failing task inside a launched graph fails the graph's entry as a
  * failing task fails its own: the stream's sticky error names the task
@@ -501,8 +542,16 @@ KILN_API kilnError_t kilnStreamBeginCapture(kilnStream_t stream, unsigned int fl
  * *graph is NULL. */
 KILN_API kilnError_t kilnStreamEndCapture(kilnStream_t stream, kilnGraph_t* graph);
 
-/* The capture status of `stream`. Does not synchronize. */
+/* The capture status of `stream` (a stream that joined a capture is
+ * capturing too). Does not synchronize. */
 KILN_API kilnError_t kilnStreamIsCapturing(kilnStream_t stream, kilnStreamCaptureStatus* status);
+
+/* The capture status of `stream` and, when it is capturing, the capture's id
+ * (*id, if id is not NULL): the same for the origin and every stream that
+ * joined it, unique in the process, never 0 (0 when not capturing). As
+ * cudaStreamGetCaptureInfo. Does not synchronize. */
+KILN_API kilnError_t kilnStreamGetCaptureInfo(kilnStream_t stream, kilnStreamCaptureStatus* status,
+                                              unsigned long long* id);
 
 /* Enqueues one run of `graph` on `stream` (ordered after the work launched
  * there before, like any launch): one entry in the launch queue whatever the
