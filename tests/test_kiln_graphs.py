@@ -217,12 +217,15 @@ def test_item_during_capture_raises_names_the_op_and_invalidates():
     assert_same(y, torch.full((8,), 2.0))
 
 
-@pytest.mark.parametrize("sync", ["device", "stream", "event_record", "host_copy"])
+@pytest.mark.parametrize("sync", ["device", "stream", "uncaptured_wait", "host_copy"])
 def test_waits_and_cross_stream_work_during_capture_invalidate(sync):
     x = torch.ones(8, device="kiln")
     warm_up(lambda t: t * 2, x)
     s = torch.kiln.Stream()
-    other = torch.kiln.Stream()
+    other = next(t for t in (torch.kiln.Stream() for _ in range(8)) if t != s)
+    if sync == "uncaptured_wait":
+        with torch.kiln.stream(other):
+            torch.kiln._sleep(200)  # uncaptured work, pending during the capture
     g = torch.kiln.KilnGraph()
     with torch.kiln.stream(s):
         g.capture_begin()
@@ -232,8 +235,8 @@ def test_waits_and_cross_stream_work_during_capture_invalidate(sync):
                 torch.kiln.synchronize()
             elif sync == "stream":
                 s.synchronize()
-            elif sync == "event_record":
-                other.wait_stream(s)  # records an event on the capturing stream
+            elif sync == "uncaptured_wait":
+                s.wait_stream(other)  # a graph cannot wait for uncaptured work
             else:
                 x.copy_(torch.zeros(8))
         with pytest.raises(RuntimeError, match="invalidated"):

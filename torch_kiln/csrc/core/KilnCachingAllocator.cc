@@ -22,6 +22,7 @@
 
 #include "core/FailedResults.h"
 #include "core/KilnEvent.h"
+#include "core/KilnGraph.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
 
@@ -252,7 +253,7 @@ class DeviceCache {
     const bool is_small = size <= kSmallSize;
     FreeList& pool = is_small ? small_free_ : large_free_;
     StreamId key = C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))
-        ? keyForCapturingStream(stream.id())
+        ? keyForCapturingStream(stream)
         : stream.id();
     if (key == stream.id() && C10_UNLIKELY(!t_pool_routes.empty())) {
       key = keyForThreadRoute(stream.id());
@@ -305,23 +306,36 @@ class DeviceCache {
     recordTrace(TraceEntry::FREE_REQUESTED, block->ptr, block->requested, block->stream_id,
                 context, block->context_when_allocated);
     if (!block->stream_uses.empty()) {
-      // Note [Kiln caching allocator]: wait for the other streams' work.
-      for (const StreamId id : block->stream_uses) {
-        const KilnStream stream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id));
-        if (isExternalStreamGone(stream)) {
-          continue; // destroying a stream waits for its work: nothing to wait for
-        }
-        KilnEvent event;
-        event.record(stream);
-        pending_.emplace_back(std::move(event), block);
-        block->pending_events++;
+      if (C10_UNLIKELY(anyCaptureUnderway())) {
+        // An event recorded on a capturing stream marks a point in a graph
+        // and can never be queried: wait to record until no capture is
+        // underway (CUDA's needs_events_deferred_until_no_capture).
+        deferred_.push_back(block);
+        return;
       }
-      block->stream_uses.clear();
-      if (block->pending_events > 0) {
+      if (insertEvents(block) > 0) {
         return;
       }
     }
     deactivate(block, context);
+  }
+
+  // Note [Kiln caching allocator]: records an event on every other stream
+  // that used `block`, so its reuse waits for their work; returns how many.
+  // mutex_ held.
+  int insertEvents(Block* block) {
+    for (const StreamId id : block->stream_uses) {
+      const KilnStream stream(Stream(Stream::UNSAFE, Device(DeviceType::PrivateUse1, device_), id));
+      if (isExternalStreamGone(stream)) {
+        continue; // destroying a stream waits for its work: nothing to wait for
+      }
+      KilnEvent event;
+      event.record(stream);
+      pending_.emplace_back(std::move(event), block);
+      block->pending_events++;
+    }
+    block->stream_uses.clear();
+    return block->pending_events;
   }
 
   void recordStream(Block* block, const KilnStream& stream) {
@@ -341,16 +355,16 @@ class DeviceCache {
   }
 
   // Note [Graph memory pools].
-  void beginAllocateToPool(MempoolId_t id, StreamId stream) {
+  void beginAllocateToPool(MempoolId_t id, StreamId stream, unsigned long long capture_id) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& capture : captures_) {
-      TORCH_CHECK(capture.first != stream, "kiln:", static_cast<int>(device_),
+      TORCH_CHECK(capture.stream != stream, "kiln:", static_cast<int>(device_),
                   " stream ", stream, " is already allocating to a graph memory pool (a capture is "
                   "underway on it)");
     }
     PrivatePool& pool = poolFor(id);
     pool.use_count++;
-    captures_.emplace_back(stream, pool.key);
+    captures_.push_back(CaptureRoute{stream, capture_id, pool.key});
     capturing_.store(true, std::memory_order_relaxed);
   }
 
@@ -391,7 +405,7 @@ class DeviceCache {
       return;
     }
     for (auto c = captures_.begin(); c != captures_.end(); ++c) {
-      if (c->second == it->second.key) {
+      if (c->key == it->second.key) {
         captures_.erase(c);
         break;
       }
@@ -690,15 +704,27 @@ class DeviceCache {
     delete other;
   }
 
-  // The pool key the capturing stream allocates with, or the stream's id
-  // (Note [Graph memory pools]). mutex_ held.
-  StreamId keyForCapturingStream(StreamId stream) const {
-    for (const auto& [capturing, key] : captures_) {
-      if (capturing == stream) {
-        return key;
+  // The pool key a stream capturing into a pool allocates with — the stream
+  // that began the capture, or one that joined it (Note [Cross-stream
+  // capture] in runtime/src/graph.cc) — or the stream's id (Note [Graph
+  // memory pools]). mutex_ held.
+  StreamId keyForCapturingStream(const KilnStream& stream) const {
+    for (const CaptureRoute& capture : captures_) {
+      if (capture.stream == stream.id()) {
+        return capture.key;
       }
     }
-    return stream;
+    kilnStreamCaptureStatus status = kilnStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    KILN_CHECK(kilnStreamGetCaptureInfo(stream.stream(), &status, &capture_id));
+    if (status != kilnStreamCaptureStatusNone) {
+      for (const CaptureRoute& capture : captures_) {
+        if (capture.capture_id == capture_id) {
+          return capture.key;
+        }
+      }
+    }
+    return stream.id();
   }
 
   // The key the calling thread's innermost route to a pool of this device
@@ -973,6 +999,15 @@ class DeviceCache {
   }
 
   void processEvents(const Context& context) {
+    if (C10_UNLIKELY(!deferred_.empty()) && !anyCaptureUnderway()) {
+      std::vector<Block*> deferred;
+      deferred.swap(deferred_);
+      for (Block* block : deferred) {
+        if (insertEvents(block) == 0) {
+          deactivate(block, context);
+        }
+      }
+    }
     while (!pending_.empty()) {
       auto& [event, block] = pending_.front();
       if (!event.query()) {
@@ -1062,12 +1097,15 @@ class DeviceCache {
   FreeList small_free_;
   FreeList large_free_;
   std::deque<std::pair<KilnEvent, Block*>> pending_;
+  // Blocks freed with stream uses while a capture was underway, waiting for
+  // their events until none is (free, processEvents).
+  std::vector<Block*> deferred_;
   DeviceStats stats_;
   std::unordered_set<Segment*> segments_; // every segment (Note [Kiln memory history])
 
   // Graph memory pools (Note [Graph memory pools]): pools in use by id, and
-  // the captures underway as (capturing stream, pool key). capturing_ is
-  // read without mutex_ on malloc's hot path.
+  // the captures underway with their pool keys. capturing_ is read without
+  // mutex_ on malloc's hot path.
   struct PrivatePool {
     int use_count = 0;
     StreamId key = 0; // what graph captures into the pool allocate with
@@ -1077,7 +1115,12 @@ class DeviceCache {
   };
   std::map<MempoolId_t, PrivatePool> pools_;
   std::map<StreamId, MempoolId_t> key_owner_; // every key made, with its pool's id
-  std::vector<std::pair<StreamId, StreamId>> captures_;
+  struct CaptureRoute {
+    StreamId stream;                // the stream that began the capture
+    unsigned long long capture_id;  // the runtime's id, shared by joined streams
+    StreamId key;                   // the pool's key
+  };
+  std::vector<CaptureRoute> captures_;
   std::atomic<bool> capturing_{false};
   StreamId next_pool_key_ = -1;
 
@@ -1187,9 +1230,10 @@ void recordStream(const c10::DataPtr& data_ptr, const KilnStream& stream) {
   deviceCache(block->device).recordStream(block, stream);
 }
 
-void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream) {
+void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream,
+                         unsigned long long capture_id) {
   check_device_index(device);
-  deviceCache(device).beginAllocateToPool(pool, stream);
+  deviceCache(device).beginAllocateToPool(pool, stream, capture_id);
 }
 
 void endAllocateToPool(DeviceIndex device, MempoolId_t pool) {

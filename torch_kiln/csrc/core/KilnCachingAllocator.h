@@ -41,13 +41,15 @@ void emptyCache();
 // --- Graph memory pools (kiln graphs; CUDA's beginAllocateToPool,
 // endAllocateToPool and releasePool). See Note [Graph memory pools].
 //
-// From beginAllocateToPool on, allocations on `device` made while the
-// current stream is `stream` come from the private pool `pool` (created with
-// use count 1 on first use; a pool already in use gains a use), until
+// From beginAllocateToPool on, allocations on `device` made on `stream`, or
+// on a stream that joined its capture `capture_id` (the runtime's capture
+// id, kilnStreamGetCaptureInfo), come from the private pool `pool` (created
+// with use count 1 on first use; a pool already in use gains a use), until
 // endAllocateToPool. releasePool drops one use; at zero the pool's memory
 // is no longer reserved for graphs and its free blocks go back to the
 // runtime at the next empty_cache (or out-of-memory retry).
-void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream);
+void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, StreamId stream,
+                         unsigned long long capture_id);
 void endAllocateToPool(DeviceIndex device, MempoolId_t pool);
 void releasePool(DeviceIndex device, MempoolId_t pool);
 

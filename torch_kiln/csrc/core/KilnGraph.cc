@@ -33,14 +33,21 @@ namespace c10::kiln {
 //    runs every captured task on the worker, with no per-op work on the
 //    calling thread. Inputs and outputs are the capture's tensors (static
 //    addresses); the user refills inputs with copy_.
+//  * Side streams join a capture as on CUDA (`side.wait_stream(capturing)`,
+//    work on `side`, `capturing.wait_stream(side)`): the runtime records
+//    their work into the same graph (Note [Cross-stream capture] in
+//    runtime/src/graph.cc), their allocations come from the graph's pool
+//    (the allocator matches the runtime's capture id), and their random
+//    ops order the graph's generators like the capturing stream's.
 //  * Refused during capture (RuntimeError "operation not permitted when
 //    stream is capturing", and the capture is invalidated): anything that
-//    waits for the capturing stream — host reads (item(), printing,
+//    waits for a stream of the capture — host reads (item(), printing,
 //    nonzero, blocking copies to the host), synchronize() of the stream or
 //    its device, an op's first-call layout check (warm up first, as CUDA's
-//    docs require) — and event records or waits for pending work across
-//    streams (no fork/join of side streams in this increment). Streams
-//    other than the capturing one keep working, in every capture_error_mode.
+//    docs require) — and waits for pending work of streams outside the
+//    capture. A side stream not joined back before capture_end fails the
+//    capture (CUDA's "capturing stream has unjoined work"). Streams outside
+//    the capture keep working, in every capture_error_mode.
 //  * Random numbers. Kiln random kernels draw from the device generator's
 //    engine when they *run* (Note [Kiln random numbers]), so a captured
 //    dropout or randn draws new numbers at every replay, and the sequence of
@@ -59,10 +66,20 @@ std::atomic<int> captures_underway{0};
 
 namespace {
 
+// The graphs capturing now, by the runtime's capture id (the same for the
+// capture's stream and every stream that joined it).
 std::mutex g_registry_mutex;
-std::vector<std::pair<kilnStream_t, KilnGraph*>>& capturingGraphs() {
-  static auto* graphs = new std::vector<std::pair<kilnStream_t, KilnGraph*>>(); // leaked
+std::vector<std::pair<unsigned long long, KilnGraph*>>& capturingGraphs() {
+  static auto* graphs = new std::vector<std::pair<unsigned long long, KilnGraph*>>(); // leaked
   return *graphs;
+}
+
+// The runtime's id of the capture `stream` is part of, 0 if none.
+unsigned long long captureIdOf(const KilnStream& stream) {
+  kilnStreamCaptureStatus status = kilnStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  KILN_CHECK(kilnStreamGetCaptureInfo(stream.stream(), &status, &id));
+  return id;
 }
 
 } // namespace
@@ -119,9 +136,13 @@ void noteCapturedGenerator(const KilnStream& stream, const at::Generator& genera
   if (C10_LIKELY(!anyCaptureUnderway())) {
     return;
   }
+  const unsigned long long capture = captureIdOf(stream);
+  if (capture == 0) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(g_registry_mutex);
-  for (auto& [handle, graph] : capturingGraphs()) {
-    if (handle == stream.stream()) {
+  for (auto& [id, graph] : capturingGraphs()) {
+    if (id == capture) {
       graph->noteGenerator(generator);
     }
   }
@@ -191,16 +212,24 @@ void KilnGraph::capture_begin(MempoolId_t pool, const std::string& capture_error
   const MempoolId_t id = pool.first != 0 || pool.second != 0
       ? pool
       : KilnCachingAllocator::newPoolId(/*user_created=*/false);
-  KilnCachingAllocator::beginAllocateToPool(device, id, stream.id());
-  const kilnError_t status = kilnStreamBeginCapture(stream.stream(), 0);
-  if (status != kilnSuccess) {
-    KilnCachingAllocator::endAllocateToPool(device, id);
-    KilnCachingAllocator::releasePool(device, id);
-    KILN_CHECK(status);
-  }
-  {
+  KILN_CHECK(kilnStreamBeginCapture(stream.stream(), 0));
+  bool routed = false;
+  try {
+    const unsigned long long capture = captureIdOf(stream);
+    KilnCachingAllocator::beginAllocateToPool(device, id, stream.id(), capture);
+    routed = true;
     std::lock_guard<std::mutex> lock(g_registry_mutex);
-    capturingGraphs().emplace_back(stream.stream(), this);
+    capturingGraphs().emplace_back(capture, this);
+  } catch (...) {
+    if (routed) {
+      KilnCachingAllocator::endAllocateToPool(device, id);
+      KilnCachingAllocator::releasePool(device, id);
+    }
+    kilnGraph_t discarded = nullptr;
+    if (kilnStreamEndCapture(stream.stream(), &discarded) == kilnSuccess) {
+      KILN_WARN(kilnGraphDestroy(discarded));
+    }
+    throw;
   }
   detail::captures_underway.fetch_add(1);
   capturing_ = true;

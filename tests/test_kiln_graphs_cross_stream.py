@@ -1,0 +1,213 @@
+"""Side streams inside a kiln graph capture (CUDA's fork and join; Note
+[Cross-stream capture] in runtime/src/graph.cc): `side.wait_stream(capturing)`
+brings `side` into the capture, its work is recorded into the same graph and
+allocates from the graph's pool, and the capture must wait for it again before
+it ends. Replays are checked bit for bit against the same code run eagerly,
+on kiln:0 and kiln:1; the errors are CUDA's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_same
+
+DEVICES = [0, 1]
+
+
+def other_stream(*avoid):
+    """A pooled kiln stream of the current device that is none of `avoid`
+    (torch.kiln.Stream() hands out a small pool round robin, as CUDA does)."""
+    for _ in range(16):
+        s = torch.kiln.Stream()
+        if all(s != a for a in avoid):
+            return s
+    raise AssertionError("the stream pool handed out no other stream")
+
+
+def fork_join_step(x, w, side):
+    """Work split over the current stream and `side`, joined back: a matmul
+    and a dropout on the side stream, elementwise work on the current one."""
+    current = torch.kiln.current_stream()
+    side.wait_stream(current)
+    with torch.kiln.stream(side):
+        a = F.dropout((x @ w).relu(), 0.5)
+        scratch = a * 3  # a temporary of the side stream, freed inside the capture
+        a = a + scratch.tanh()
+        del scratch
+    b = x.sin() * 2
+    current.wait_stream(side)
+    return a + b
+
+
+def capture(fn, *args, stream):
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g, stream=stream):
+        out = fn(*args)
+    return g, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_side_stream_work_is_captured_and_replays_match_eager(device):
+    with torch.kiln.device(device):
+        dev = f"kiln:{device}"
+        cap = torch.kiln.Stream()
+        side = other_stream(cap)
+        x, w = torch.randn(64, 64, device=dev), torch.randn(64, 64, device=dev)
+        with torch.kiln.stream(cap):
+            fork_join_step(x, w, side)  # warm-up: first calls check layouts
+        torch.kiln.synchronize()
+        g, out = capture(fork_join_step, x, w, side, stream=cap)
+        assert g.num_nodes() >= 8
+        for seed in (3, 4, 5):
+            x.copy_(torch.randn(64, 64))  # new static input
+            torch.kiln.manual_seed(seed)
+            g.replay()
+            replayed = out.cpu()
+            torch.kiln.manual_seed(seed)
+            assert_same(fork_join_step(x, w, side), replayed)
+
+
+def test_side_stream_allocations_come_from_the_graph_pool():
+    """A side stream's tensors made during the capture must stay the graph's:
+    work after the capture that reuses ordinary memory must not see replays
+    write into it (nor the replays see that work)."""
+    cap = torch.kiln.Stream()
+    side = other_stream(cap)
+    x, w = torch.randn(64, 64, device="kiln"), torch.randn(64, 64, device="kiln")
+    with torch.kiln.stream(cap):
+        fork_join_step(x, w, side)
+    torch.kiln.synchronize()
+    torch.kiln.manual_seed(0)
+    g, out = capture(fork_join_step, x, w, side, stream=cap)
+    pool_ranges = [(s["address"], s["address"] + s["total_size"])
+                   for s in torch.kiln.memory_snapshot() if tuple(s["segment_pool_id"]) == g.pool()]
+    assert pool_ranges, "the capture allocated from its pool"
+    # Ordinary tensors made now on the side stream and the default stream.
+    with torch.kiln.stream(side):
+        mine_side = [torch.full((64, 64), float(i), device="kiln") for i in range(6)]
+    mine = [torch.full((64, 64), -float(i), device="kiln") for i in range(6)]
+    torch.kiln.synchronize()
+    for t in mine_side + mine:
+        assert not any(lo <= t.data_ptr() < hi for lo, hi in pool_ranges)
+    torch.kiln.manual_seed(1)
+    g.replay()
+    replayed = out.cpu()
+    for i, t in enumerate(mine_side):
+        assert_same(t, torch.full((64, 64), float(i)))
+    for i, t in enumerate(mine):
+        assert_same(t, torch.full((64, 64), -float(i)))
+    torch.kiln.manual_seed(1)
+    assert_same(fork_join_step(x, w, side), replayed)
+
+
+def test_a_side_stream_not_joined_back_fails_the_capture_and_works_afterwards():
+    cap = torch.kiln.Stream()
+    side = other_stream(cap)
+    x = torch.ones(8, device="kiln")
+    (x * 3).sum()
+    torch.kiln.synchronize()
+    g = torch.kiln.KilnGraph()
+    with pytest.raises(RuntimeError, match="capturing stream has unjoined work|does not wait for"):
+        with torch.kiln.graph(g, stream=cap):
+            side.wait_stream(cap)
+            with torch.kiln.stream(side):
+                y = x * 3
+    with pytest.raises(RuntimeError, match="without a preceding successful capture"):
+        g.replay()
+    assert not torch.kiln.is_current_stream_capturing()
+    with torch.kiln.stream(side):
+        assert not torch.kiln.is_current_stream_capturing()
+        z = x * 3
+    side.synchronize()
+    assert_same(z, torch.full((8,), 3.0))
+    del y
+
+
+def test_a_joined_stream_reports_capturing_and_refuses_synchronize():
+    cap = torch.kiln.Stream()
+    side = other_stream(cap)
+    x = torch.ones(8, device="kiln")
+    (x + 1).sum()
+    torch.kiln.synchronize()
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.stream(cap):
+        g.capture_begin()
+        side.wait_stream(cap)
+        with torch.kiln.stream(side):
+            assert torch.kiln.is_current_stream_capturing()
+            with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+                side.synchronize()
+        with pytest.raises(RuntimeError, match="invalidated"):
+            cap.wait_stream(side)  # the capture is invalidated: joining back fails too
+        with pytest.raises(RuntimeError, match="invalidated"):
+            g.capture_end()
+
+
+@pytest.mark.parametrize("call", ["query", "synchronize", "elapsed_time"])
+def test_an_event_recorded_during_capture_cannot_be_queried_or_timed(call):
+    cap = torch.kiln.Stream()
+    start = torch.kiln.Event(enable_timing=True)
+    start.record()
+    start.synchronize()
+    x = torch.ones(8, device="kiln")
+    (x + 1).sum()
+    torch.kiln.synchronize()
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g, stream=cap):
+        e = torch.kiln.Event(enable_timing=True)
+        e.record()
+        with pytest.raises(RuntimeError, match="last recorded on a capturing stream"):
+            if call == "query":
+                e.query()
+            elif call == "synchronize":
+                e.synchronize()
+            else:
+                start.elapsed_time(e)
+        y = x + 1
+    g.replay()
+    assert_same(y, torch.full((8,), 2.0))
+    # A record outside the capture makes the event usable again.
+    e.record()
+    e.synchronize()
+    assert e.query()
+
+
+def test_the_default_stream_cannot_join_a_capture():
+    cap = torch.kiln.Stream()
+    x = torch.ones(8, device="kiln")
+    (x + 1).sum()
+    torch.kiln.synchronize()
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.stream(cap):
+        g.capture_begin()
+        y = x + 1
+        with pytest.raises(RuntimeError, match="default stream"):
+            torch.kiln.default_stream().wait_stream(cap)
+        with pytest.raises(RuntimeError, match="invalidated"):
+            g.capture_end()
+    z = x + 1  # the default stream works on
+    assert_same(z, torch.full((8,), 2.0))
+    del y
+
+
+def test_a_tensor_freed_in_a_capture_after_record_stream_is_reused_safely():
+    """record_stream on a capturing stream, then the tensor is freed inside
+    the capture: the allocator must not record (and later query) an event
+    on the capturing stream; it waits until the capture ended."""
+    cap = torch.kiln.Stream()
+    x = torch.ones(1024, device="kiln")
+    (x * 2).sum()
+    torch.kiln.synchronize()
+    kept = torch.full((1024,), 7.0, device="kiln")  # made on the default stream
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g, stream=cap):
+        kept.record_stream(cap)
+        y = x * 2
+        del kept
+    g.replay()
+    assert_same(y, torch.full((1024,), 2.0))
+    # Later allocations (which process the deferred free) work and are right.
+    fresh = [torch.full((1024,), float(i), device="kiln") for i in range(4)]
+    torch.kiln.synchronize()
+    for i, t in enumerate(fresh):
+        assert_same(t, torch.full((1024,), float(i)))
