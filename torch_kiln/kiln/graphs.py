@@ -21,16 +21,24 @@ What kiln guarantees (Note [Kiln graphs] in ``torch_kiln/csrc/core/KilnGraph.cc`
   sequence of replays draws exactly what running the captured ops eagerly in
   the same order would draw from the same generator state (so
   ``torch.manual_seed`` before the first replay makes replays deterministic).
+* Side streams join a capture as on CUDA: ``side.wait_stream(capturing)``
+  brings ``side`` in (its work is recorded into the same graph and allocates
+  from the graph's pool), and ``capturing.wait_stream(side)`` joins it back;
+  a capture that ends with a side stream not joined back raises CUDA's
+  "capturing stream has unjoined work". A replay runs every stream's captured
+  work in capture order on the replay stream. An event recorded during the
+  capture marks a point in the graph: ``query()``, ``synchronize()`` and
+  ``elapsed_time`` of it raise until it is recorded again outside a capture.
 * Refused during capture, with ``RuntimeError: ... operation not permitted
   when stream is capturing`` naming the op, and the capture is then
   invalidated (``capture_end`` raises; nothing is kept): host reads of device
   values (``item()``, printing, ``nonzero``...), copies between the host and
-  kiln, ``torch.kiln.synchronize()``, ``synchronize()``/``query()`` of the
-  capturing stream, event records on it and waits on it for other streams'
-  pending work (side streams cannot join a capture in this version), and an
-  op's first call with a new layout class (kiln's meta-kernel check): warm
-  up by running the captured code once before capture, as CUDA requires.
-  Other streams keep working normally, whatever ``capture_error_mode``.
+  kiln, ``torch.kiln.synchronize()``, ``synchronize()``/``query()`` of a
+  stream of the capture, waits for pending work of streams outside the
+  capture, the default stream joining the capture, and an op's first call
+  with a new layout class (kiln's meta-kernel check): warm up by running the
+  captured code once before capture, as CUDA requires. Streams outside the
+  capture keep working normally, whatever ``capture_error_mode``.
 """
 
 from __future__ import annotations
