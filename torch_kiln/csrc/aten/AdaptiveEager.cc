@@ -59,7 +59,7 @@ namespace at::kiln {
 // What may join (the whitelist, by full ATen name): add.out, sub.out (any
 // alpha), mul.out, div.out (true division), neg.out, relu and relu_ (run as
 // clamp_min(self, 0), which is what ATen's CPU relu calls), exp.out, tanh.out,
-// sigmoid.out, gelu.out. In-place forms reach kiln as the .out op with
+// sigmoid.out, gelu.out (on at most one tile, kTileElements). In-place forms reach kiln as the .out op with
 // out=self. Every kiln tensor of the group is float32, contiguous, of the
 // group's sizes (no broadcasting), with no conj/neg bit; other tensor
 // arguments are 0-dim CPU scalars (Python numbers, snapshot at the call).
@@ -538,11 +538,25 @@ bool planOp(const FusedOp& fused, const FusionGroup& group, SegmentPlan& plan, S
     if (fused.args.size() < 3) {
       return fail();
     }
-    auto alpha = hostScalarValue(fused.args[2]);
+    // sub runs ATen's add kernel with -alpha negated as a Scalar, before any
+    // conversion to float: an integer alpha stays an integer (-0 is +0.0f,
+    // and -INT64_MIN wraps to INT64_MIN), so negate the same way here.
+    c10::IValue alpha_arg = fused.args[2];
+    if (spec.negate_alpha) {
+      if (!alpha_arg.isScalar()) {
+        return fail();
+      }
+      const c10::Scalar given = alpha_arg.toScalar();
+      if (!given.isFloatingPoint() && !given.isIntegral(/*includeBool=*/false)) {
+        return fail();
+      }
+      alpha_arg = c10::IValue(-given);
+    }
+    auto alpha = hostScalarValue(alpha_arg);
     if (!alpha.has_value()) {
       return fail();
     }
-    op.alpha = scalarSlot(spec.negate_alpha ? -*alpha : *alpha);
+    op.alpha = scalarSlot(*alpha);
   }
   if (binary && form != FusedForm::ClampMin) {
     op.nan_winner = nanWinnerOf(form, op.a.is_scalar, op.b.is_scalar);
@@ -839,6 +853,13 @@ bool enqueueFusible(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   }
   if (written == nullptr || !written->defined() || written->numel() == 0 ||
       !written->device().is_privateuseone()) {
+    return false;
+  }
+  if (spec.name == "aten::gelu.out" && written->numel() > kTileElements) {
+    // ATen's gelu splits its range itself (numel / threads above 16384
+    // elements) and runs a lone trailing element otherwise than at the end
+    // of a longer loop, so only a group of one tile (where the fused run's
+    // one range is gelu's own) is bit-identical.
     return false;
   }
   const c10::Device device = written->device();
