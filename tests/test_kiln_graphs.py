@@ -676,3 +676,65 @@ def test_an_error_in_the_body_does_not_also_warn_the_graph_is_empty():
         torch.kiln.set_per_process_memory_fraction(1.0)
     assert not [w for w in caught if "graph is empty" in str(w.message)]
     assert not torch.kiln.is_current_stream_capturing()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pinned_host_copies_are_captured_and_each_replay_copies_anew(device):
+    """Note [Host copies in a capture]: non_blocking copies with pinned host
+    memory are recorded; each replay reads the pinned input and writes the
+    pinned output anew (a float64 output converts on the device)."""
+    with torch.kiln.device(device):
+        dev = f"kiln:{device}"
+        w_cpu = torch.randn(16, 16)
+        w = w_cpu.to(dev)
+        host_in = torch.randn(16, 16).pin_memory()
+        host_out = torch.empty(16, 16).pin_memory()
+        host_out64 = torch.empty(16, 16, dtype=torch.float64).pin_memory()
+        x = torch.empty(16, 16, device=dev)
+
+        def step():
+            x.copy_(host_in, non_blocking=True)
+            y = elementwise_and_matmul(x, w)
+            host_out.copy_(y, non_blocking=True)
+            host_out64.copy_(y, non_blocking=True)
+
+        warm_up(step)
+        g = torch.kiln.KilnGraph()
+        with torch.kiln.graph(g):
+            step()
+        assert g.num_nodes() >= 6
+        for _ in range(3):
+            new = torch.randn(16, 16)
+            host_in.copy_(new)  # the device is idle: the pinned input may change
+            g.replay()
+            torch.kiln.synchronize()
+            expected = elementwise_and_matmul(new, w_cpu)
+            assert_same(host_out, expected)
+            assert_same(host_out64, expected.double())
+
+
+@pytest.mark.parametrize("copy", ["pageable_to_kiln", "pageable_from_kiln", "blocking_pinned",
+                                  "converting_pinned_source"])
+def test_host_copies_a_capture_cannot_record_raise_naming_pinned_memory(copy):
+    x = torch.ones(8, device="kiln")
+    warm_up(lambda t: t * 2, x)
+    pinned = torch.ones(8).pin_memory()
+    s = torch.kiln.Stream()
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.stream(s):
+        g.capture_begin()
+        y = x * 2
+        with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"
+                                               ".*pin_memory"):
+            if copy == "pageable_to_kiln":
+                x.copy_(torch.zeros(8), non_blocking=True)
+            elif copy == "pageable_from_kiln":
+                torch.empty(8).copy_(x, non_blocking=True)
+            elif copy == "blocking_pinned":
+                x.copy_(pinned)
+            else:
+                # float64 to float32 would be converted on the host, once
+                x.copy_(pinned.double().pin_memory(), non_blocking=True)
+        with pytest.raises(RuntimeError, match="invalidated"):
+            g.capture_end()
+    del y

@@ -32,8 +32,9 @@ What kiln guarantees (Note [Kiln graphs] in ``torch_kiln/csrc/core/KilnGraph.cc`
 * Refused during capture, with ``RuntimeError: ... operation not permitted
   when stream is capturing`` naming the op, and the capture is then
   invalidated (``capture_end`` raises; nothing is kept): host reads of device
-  values (``item()``, printing, ``nonzero``...), copies between the host and
-  kiln, ``torch.kiln.synchronize()``, ``synchronize()``/``query()`` of a
+  values (``item()``, printing, ``nonzero``...), host copies other than
+  ``non_blocking=True`` ones with dense pinned tensors (those are captured,
+  and each replay copies anew), ``torch.kiln.synchronize()``, ``synchronize()``/``query()`` of a
   stream of the capture, waits for pending work of streams outside the
   capture, the default stream joining the capture, and an op's first call
   with a new layout class (kiln's meta-kernel check): warm up by running the

@@ -182,14 +182,34 @@ struct HostCopySkipMark final : TaskBody {
   const void* target_data;
 };
 
+// Note [Host copies in a capture]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// As CUDA Graphs capture cudaMemcpyAsync with pinned memory, a kiln graph
+// records an asynchronous (non_blocking=True) copy between a kiln tensor and
+// a dense pinned host tensor: each replay reads the host source, or writes
+// the host destination, anew, so the program refills or reads that pinned
+// tensor around replays and must keep it alive as long as the graph (as on
+// CUDA). Everything else a host copy could need is refused during a capture
+// (and invalidates it): a blocking copy waits for the device; pageable
+// memory, or a host-side staging copy for another dtype or layout, would be
+// read or written once, at capture. A conversion on the device side is
+// captured as a kernel. The pinned block is not protected by a host
+// allocator event during a capture (an event recorded in a capture marks a
+// point of the graph and is never queried; Note [Cross-stream capture] in
+// runtime/src/graph.cc): nothing runs until a replay, and keeping the
+// tensor alive is the program's part.
 void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   const c10::DeviceGuard guard(dst.device());
-  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+  const KilnStream stream = c10::kiln::getCurrentKilnStream(dst.device().index());
+  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
+  // Note [Host copies in a capture]: only a copy the runtime records, from
+  // the pinned source itself, is captured; the rest would be done once, now.
+  const bool captured = C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) &&
+      c10::kiln::isStreamCapturing(stream);
+  if (captured && !(non_blocking && dst_dense && byteCopyable(src, dst) && isPinned(src))) {
     c10::kiln::refuseWhileCapturing("aten::_copy_from (host to kiln)",
                                     c10::kiln::CaptureRefusal::HostCopy);
   }
-  const KilnStream stream = c10::kiln::getCurrentKilnStream(dst.device().index());
-  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
   // A host tensor with exactly the bytes the device side needs.
   at::Tensor staged = src;
   if (!(dst_dense && byteCopyable(src, dst))) {
@@ -214,7 +234,7 @@ void copyHostToKiln(const at::Tensor& src, const at::Tensor& dst, bool non_block
     launchDeviceCopy(dst, target, stream);
   }
   if (non_blocking) {
-    if (isPinned(staged)) {
+    if (isPinned(staged) && !captured) {
       protectPinned(staged, stream);
     }
     return;
@@ -248,12 +268,17 @@ struct HostCopySourceCheck final : TaskBody {
 void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_blocking,
                     const char* sync_op) {
   const c10::DeviceGuard guard(src.device());
-  if (C10_UNLIKELY(c10::kiln::anyCaptureUnderway())) {
+  const KilnStream stream = c10::kiln::getCurrentKilnStream(src.device().index());
+  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
+  // Note [Host copies in a capture]: only an asynchronous copy into a dense
+  // pinned destination is captured (any conversion runs on the device, into
+  // `packed`, so it lands in `dst` itself).
+  const bool captured = C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) &&
+      c10::kiln::isStreamCapturing(stream);
+  if (captured && !(non_blocking && dst_dense && isPinned(dst))) {
     c10::kiln::refuseWhileCapturing(sync_op, non_blocking ? c10::kiln::CaptureRefusal::HostCopy
                                                           : c10::kiln::CaptureRefusal::HostRead);
   }
-  const KilnStream stream = c10::kiln::getCurrentKilnStream(src.device().index());
-  const bool dst_dense = dst.is_non_overlapping_and_dense() && !hasBits(dst);
   // A device tensor with exactly the bytes the host side needs.
   at::Tensor packed = src;
   if (!(dst_dense && byteCopyable(src, dst))) {
@@ -279,7 +304,9 @@ void copyKilnToHost(const at::Tensor& src, const at::Tensor& dst, bool non_block
   KILN_CHECK(kilnMemcpyAsync(landing.data_ptr(), packed.const_data_ptr(), bytes,
                              kilnMemcpyDeviceToHost, stream.stream()));
   if (!waits) {
-    protectPinned(dst, stream);
+    if (!captured) {
+      protectPinned(dst, stream);
+    }
     return;
   }
   synchronizeProtectingPinned(stream, landing); // raises a pending kernel error first...

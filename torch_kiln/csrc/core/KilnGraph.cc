@@ -45,7 +45,9 @@ namespace c10::kiln {
 //    nonzero, blocking copies to the host), synchronize() of the stream or
 //    its device, an op's first-call layout check (warm up first, as CUDA's
 //    docs require) — and waits for pending work of streams outside the
-//    capture. A side stream not joined back before capture_end fails the
+//    capture, and host copies other than asynchronous ones with pinned
+//    memory (Note [Host copies in a capture] in aten/Copy.cc: those are
+//    recorded). A side stream not joined back before capture_end fails the
 //    capture (CUDA's "capturing stream has unjoined work"). Streams outside
 //    the capture keep working, in every capture_error_mode.
 //  * Random numbers. Kiln random kernels draw from the device generator's
@@ -118,8 +120,12 @@ void refuseWhileCapturing(const char* op, CaptureRefusal reason) {
             "capturing it (warm-up, as torch.cuda.graph requires)";
       break;
     case CaptureRefusal::HostCopy:
-      why = "copies between host and kiln memory are not captured by kiln graphs yet; fill a "
-            "static kiln tensor with copy_ before replay(), and read results after it";
+      why = "a capture records only asynchronous copies (non_blocking=True) between kiln "
+            "tensors and dense pinned host tensors (each replay reads or writes that memory "
+            "anew); this copy is blocking, uses pageable memory, or needs a conversion on the "
+            "host. Use a pinned tensor (pin_memory()) of the kiln tensor's dtype and layout "
+            "with non_blocking=True, or fill a static kiln tensor with copy_ before replay() "
+            "and read results after it";
       break;
   }
   // The runtime refuses a query of the capturing stream and invalidates the

@@ -88,11 +88,13 @@ bool isStreamCapturing(const KilnStream& stream);
 enum class CaptureRefusal {
   HostRead,    // it waits for the device to read device data on the host
   LayoutCheck, // kiln's first-call meta-kernel check waits (warm up first)
-  HostCopy,    // a copy between host and kiln memory (not captured yet)
+  HostCopy,    // an asynchronous copy to or from pageable host memory, or
+               // one that needs a host-side staging copy: only dense copies
+               // with pinned memory are captured
 };
 
-// Called by an op before it waits for the current stream or copies between
-// the host and kiln memory: if that stream is capturing, invalidates the
+// Called by an op before it waits for the current stream or makes a host
+// copy a capture cannot record: if that stream is capturing, invalidates the
 // capture and raises c10::Error naming `op` ("operation not permitted when
 // stream is capturing") and the reason. One relaxed load otherwise.
 void refuseWhileCapturing(const char* op, CaptureRefusal reason);
