@@ -24,6 +24,15 @@ def other_stream(*avoid):
     raise AssertionError("the stream pool handed out no other stream")
 
 
+def warmed_ones(fn):
+    """Eight kiln ones after one eager call of fn on them (first calls check
+    layouts, which a capture refuses), the device idle."""
+    x = torch.ones(8, device="kiln")
+    fn(x)
+    torch.kiln.synchronize()
+    return x
+
+
 def fork_join_step(x, w, side):
     """Work split over the current stream and `side`, joined back: a matmul
     and a dropout on the side stream, elementwise work on the current one."""
@@ -103,9 +112,7 @@ def test_side_stream_allocations_come_from_the_graph_pool():
 def test_a_side_stream_not_joined_back_fails_the_capture_and_works_afterwards():
     cap = torch.kiln.Stream()
     side = other_stream(cap)
-    x = torch.ones(8, device="kiln")
-    (x * 3).sum()
-    torch.kiln.synchronize()
+    x = warmed_ones(lambda t: t * 3)
     g = torch.kiln.KilnGraph()
     with pytest.raises(RuntimeError, match="capturing stream has unjoined work|does not wait for"):
         with torch.kiln.graph(g, stream=cap):
@@ -126,9 +133,7 @@ def test_a_side_stream_not_joined_back_fails_the_capture_and_works_afterwards():
 def test_a_joined_stream_reports_capturing_and_refuses_synchronize():
     cap = torch.kiln.Stream()
     side = other_stream(cap)
-    x = torch.ones(8, device="kiln")
-    (x + 1).sum()
-    torch.kiln.synchronize()
+    x = warmed_ones(lambda t: t + 1)
     g = torch.kiln.KilnGraph()
     with torch.kiln.stream(cap):
         g.capture_begin()
@@ -149,9 +154,7 @@ def test_an_event_recorded_during_capture_cannot_be_queried_or_timed(call):
     start = torch.kiln.Event(enable_timing=True)
     start.record()
     start.synchronize()
-    x = torch.ones(8, device="kiln")
-    (x + 1).sum()
-    torch.kiln.synchronize()
+    x = warmed_ones(lambda t: t + 1)
     g = torch.kiln.KilnGraph()
     with torch.kiln.graph(g, stream=cap):
         e = torch.kiln.Event(enable_timing=True)
@@ -174,9 +177,7 @@ def test_an_event_recorded_during_capture_cannot_be_queried_or_timed(call):
 
 def test_the_default_stream_cannot_join_a_capture():
     cap = torch.kiln.Stream()
-    x = torch.ones(8, device="kiln")
-    (x + 1).sum()
-    torch.kiln.synchronize()
+    x = warmed_ones(lambda t: t + 1)
     g = torch.kiln.KilnGraph()
     with torch.kiln.stream(cap):
         g.capture_begin()

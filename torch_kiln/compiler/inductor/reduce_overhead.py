@@ -640,9 +640,11 @@ def _check_lowering(original: Callable) -> Callable:
                 # Eager side streams join a kiln graph capture (Note [Cross-stream
                 # capture]), but capturing such a compiled graph gave replays that
                 # differ from eager (tried with this skip removed): its side work
-                # did not join the capture, likely because the graph's stream ops
-                # name the streams current when it was traced rather than the
-                # capture stream. Until that is mapped, such graphs run unrecorded.
+                # did not join. The wrapper names streams by objects taken at trace
+                # time (`torch.ops.streams.wait_stream.default(1, 0)`: object 0 is
+                # the stream current when it was traced, the default stream), so
+                # the side stream waits for that stream, not the capture stream.
+                # Until those are mapped, such graphs run unrecorded.
                 return (f"skipping cudagraphs due to cross-stream work in the graph ({node.target}): "
                         "its stream ops name the streams it was traced on, not the capture stream")
         if config.graph_partition:
