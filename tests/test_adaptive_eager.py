@@ -296,6 +296,24 @@ def test_chain_on_each_device_and_stream(device, where, kernels):
     assert_bits_equal(actual, long_chain(x, y))
 
 
+def test_an_op_cpu_rejects_at_the_call_raises_there_and_loses_no_fused_result():
+    """sub.out with a bool scalar: CPU raises at the call. Kiln raises at the
+    call too (Note [Dtype errors at the call]), so it never joins the open
+    group and the group's earlier result stays readable."""
+    a, b = torch.ones(33, device="kiln"), torch.zeros(33, device="kiln")
+    with adaptive_eager(False):
+        a * 2.0  # first calls check layouts
+    torch.kiln.synchronize()
+    with adaptive_eager(True):
+        with gated():
+            c = a * 2.0
+            with pytest.raises(RuntimeError, match="with a bool tensor is not supported"):
+                torch.sub(a, True, out=b)
+        torch.kiln.synchronize()
+    assert_same(c, torch.full((33,), 2.0))
+    assert_same(b, torch.zeros(33))
+
+
 def test_intermediate_view_kept_by_python_is_written(kernels):
     x, y = awkward_pair(4096)
     kx, ky = x.to("kiln"), y.to("kiln")

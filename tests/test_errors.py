@@ -118,7 +118,11 @@ def test_a_bad_index_raises_the_same_error_at_the_first_call_and_at_synchronizat
     lambda d: torch.zeros(3, dtype=torch.int64, device=d).normal_(),
     lambda d: torch.ones(2, 3, dtype=torch.int64, device=d).softmax(-1),
     lambda d: torch.zeros(4, device=d).to(torch.bits8),  # a conversion copy_ lacks
-], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax", "float_to_bits8"])
+    # A plain RuntimeError, and PyTorch's meta kernel of the out= form lacks
+    # the check (the functional and in-place forms had it already).
+    lambda d: torch.sub(torch.ones(33, device=d), True, out=torch.zeros(33, device=d)),
+], ids=["bool_matmul", "float_bitwise_and", "int_normal_", "int_softmax", "float_to_bits8",
+        "sub_bool_scalar_out"])
 def test_an_unsupported_dtype_raises_cpu_error_at_the_call(op):
     with pytest.raises(Exception) as on_cpu:
         op("cpu")

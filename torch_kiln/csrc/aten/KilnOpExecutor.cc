@@ -124,12 +124,16 @@ namespace at::kiln {
 // *tiny images* of the arguments — zero-filled host tensors of the same
 // dtypes and ranks with every dimension cut to at most one element, other
 // arguments as given, a throwaway generator for random ops, warnings
-// discarded. If that raises NotImplementedError or TypeError, the class is
-// marked unsupported and its calls run synchronously on the real arguments,
-// which raises CPU's own error, unchanged, at the call (if that run succeeds
-// after all, the tiny images misled the probe and the class is cleared). Any
-// other outcome — success, or an error the tiny shapes caused — leaves the
-// class to the asynchronous path. The verdict is remembered per layout class
+// discarded. If that raises NotImplementedError, TypeError or a plain
+// RuntimeError (some dtype checks are TORCH_CHECKs, like sub's "with a bool
+// tensor is not supported", which PyTorch's meta kernel for sub.out lacks),
+// the class is marked unsupported and its calls run synchronously on the real
+// arguments, which raises CPU's own error, unchanged, at the call (if that
+// run succeeds after all, the tiny images misled the probe — a RuntimeError
+// of their tiny shapes, say — and the class is cleared, at the cost of that
+// one synchronous call). Any other outcome — success, or an IndexError or
+// ValueError the tiny shapes or values caused — leaves the class to the
+// asynchronous path. The verdict is remembered per layout class
 // (LayoutCache::dtypeSupport), so the probe costs one tiny kernel per op and
 // class, on a layout-cache miss; calls served from the layout cache pay
 // nothing and nothing ever synchronizes for it. Limits: a dtype check that
@@ -438,6 +442,16 @@ LayoutCache::DtypeSupport probeDtypes(const c10::OperatorHandle& op, const OpSch
   } catch (const c10::NotImplementedError&) {
     return LayoutCache::DtypeSupport::Unsupported;
   } catch (const c10::TypeError&) {
+    return LayoutCache::DtypeSupport::Unsupported;
+  } catch (const c10::IndexError&) {
+    // An index the tiny shapes put out of range: no verdict on the dtypes.
+  } catch (const c10::ValueError&) {
+    // A value the tiny shapes made invalid: no verdict on the dtypes.
+  } catch (const c10::Error&) {
+    // A plain RuntimeError may be a dtype check that is not a dispatch
+    // failure (sub's "with a bool tensor is not supported", whose out= form
+    // PyTorch's meta kernel does not check) or an error of the tiny shapes:
+    // the real arguments decide, once, synchronously.
     return LayoutCache::DtypeSupport::Unsupported;
   } catch (const std::exception&) {
     // An error of the tiny shapes or values: no verdict on the dtypes.
