@@ -212,3 +212,105 @@ def test_a_tensor_freed_in_a_capture_after_record_stream_is_reused_safely():
     torch.kiln.synchronize()
     for i, t in enumerate(fresh):
         assert_same(t, torch.full((1024,), float(i)))
+
+
+def test_a_block_freed_after_record_stream_in_a_capture_is_not_merged_or_reused():
+    """The allocator defers a free with stream uses while a capture is
+    underway; the held block must not count as free (a helper's reproducer:
+    freeing its neighbour merged it away, and a later capture sharing the
+    pool was given a live graph output's memory)."""
+    cap = torch.kiln.Stream()
+    side = other_stream(cap)
+    warmed_ones(lambda t: (t.add_(1), t * 3))
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g, stream=cap):
+        a = torch.ones(256, device="kiln")
+        b = torch.ones(256, device="kiln")  # a's neighbour in the pool's segment
+        side.wait_stream(cap)
+        with torch.kiln.stream(side):
+            a.add_(1)
+        a.record_stream(side)
+        cap.wait_stream(side)
+        del a  # deferred until the capture ends
+        del b
+        c = torch.ones(512, device="kiln") * 3  # a graph output, kept alive
+    torch.zeros(256, device="kiln")  # an allocation after the capture
+    g2 = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g2, stream=cap, pool=g.pool()):
+        d = [torch.full((256,), 7.0, device="kiln") for _ in range(4)]
+    lo, hi = c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()
+    assert not any(lo <= t.data_ptr() < hi for t in d)
+    g.replay()
+    g2.replay()
+    assert_same(c, torch.full((512,), 3.0))
+    for t in d:
+        assert_same(t, torch.full((256,), 7.0))
+
+
+def test_record_stream_still_protects_eager_memory_while_a_capture_is_underway():
+    cap = torch.kiln.Stream()
+    s2 = other_stream(cap)
+    s3 = other_stream(cap, s2)
+    big = torch.randn(768, 768, device="kiln")
+    warmed_ones(lambda t: (t.add_(1), t * 1, big @ big))
+
+    def late_read():
+        with torch.kiln.stream(s2):
+            a = torch.full((256,), 1.0, device="kiln")
+            b = torch.full((256,), 2.0, device="kiln")  # a's neighbour
+        s3.wait_stream(s2)
+        with torch.kiln.stream(s3):
+            for _ in range(4):
+                big @ big  # keeps s3 busy
+            out = a * 1  # reads a, late
+        a.record_stream(s3)  # a must not be reused before s3 is done
+        del a, b
+        with torch.kiln.stream(s2):
+            torch.full((512,), 9.0, device="kiln")  # must not get a's memory yet
+        s3.synchronize()
+        s2.synchronize()
+        with torch.kiln.stream(s3):  # not on the capturing stream
+            return out.cpu()
+
+    assert_same(late_read(), torch.ones(256))
+    g = torch.kiln.KilnGraph()
+    with torch.kiln.graph(g, stream=cap):
+        torch.ones(4, device="kiln").add_(1)  # something captured
+        during = late_read()  # eager work on other streams meanwhile
+    assert_same(during, torch.ones(256))
+
+
+def test_make_graphed_callables_with_a_side_stream_in_the_forward():
+    side = other_stream()
+
+    class SideStreamBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+            self.b = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            current = torch.kiln.current_stream()
+            side.wait_stream(current)
+            with torch.kiln.stream(side):
+                h = self.a(x).relu()
+            current.wait_stream(side)
+            return self.b(x) * h
+
+    torch.manual_seed(0)
+    eager = SideStreamBlock().to("kiln")
+    graphed_module = SideStreamBlock().to("kiln")
+    graphed_module.load_state_dict(eager.state_dict())
+    graphed = torch.kiln.make_graphed_callables(graphed_module, (torch.randn(8, 16, device="kiln"),))
+    for _ in range(3):
+        x = torch.randn(8, 16, device="kiln")
+        for module in (eager, graphed):
+            module.zero_grad(set_to_none=True)
+        y_eager, y_graphed = eager(x), graphed(x)
+        (y_eager * y_eager).sum().backward()
+        (y_graphed * y_graphed).sum().backward()
+        assert_same(y_graphed, y_eager.cpu())
+        for p_eager, p_graphed in zip(eager.parameters(), graphed_module.parameters()):
+            assert_same(p_graphed.grad, p_eager.grad.cpu())
+    torch.randn(64, device="kiln")  # the allocator is sound afterwards
+    torch.kiln.synchronize()

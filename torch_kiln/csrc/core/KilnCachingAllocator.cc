@@ -309,8 +309,11 @@ class DeviceCache {
       if (C10_UNLIKELY(anyCaptureUnderway())) {
         // An event recorded on a capturing stream marks a point in a graph
         // and can never be queried: wait to record until no capture is
-        // underway (CUDA's needs_events_deferred_until_no_capture).
+        // underway (CUDA's needs_events_deferred_until_no_capture). Until
+        // then the block counts one pending event, so it is neither reused
+        // nor merged into a free neighbour.
         deferred_.push_back(block);
+        block->pending_events = 1;
         return;
       }
       if (insertEvents(block) > 0) {
@@ -1003,6 +1006,7 @@ class DeviceCache {
       std::vector<Block*> deferred;
       deferred.swap(deferred_);
       for (Block* block : deferred) {
+        block->pending_events = 0; // the hold free() put on it
         if (insertEvents(block) == 0) {
           deactivate(block, context);
         }
