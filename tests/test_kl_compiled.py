@@ -148,3 +148,28 @@ def test_compiled_source_follows_the_tile_model():
     x = torch.randn(10, device="kiln")
     text = axpy.source(torch.empty_like(x), x, x, 10, 1.0, BLOCK=256)
     assert "kl_load_row<float>" in text and "kl_in_bounds(" in text
+
+
+@kl.jit
+def floordiv_and_mod(q, r, x, y, B: kl.constexpr):
+    i = kl.arange(0, B)
+    a, b = kl.load(x, i), kl.load(y, i)
+    kl.store(q, i, a // b)
+    kl.store(r, i, a % b)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_minimum_divided_by_minus_one_wraps_as_torch_does(dtype):
+    """min // -1 overflows, which x86 traps (SIGFPE killed the process); the
+    compiled kernel gives torch's and the simulator's wrapped results."""
+    low = torch.iinfo(dtype).min
+    x = torch.tensor([low, 7, -7, low, 0, 5], dtype=dtype)
+    y = torch.tensor([-1, -1, 2, 1, -1, -3], dtype=dtype)
+    expected_q = torch.div(x, y, rounding_mode="floor")
+    expected_r = torch.remainder(x, y)
+    for device in ("cpu", "kiln"):  # the simulator, then compiled code
+        q = torch.empty(6, dtype=dtype, device=device)
+        r = torch.empty(6, dtype=dtype, device=device)
+        floordiv_and_mod[(1,)](q, r, x.to(device), y.to(device), B=6)
+        assert q.cpu().tolist() == expected_q.tolist(), device
+        assert r.cpu().tolist() == expected_r.tolist(), device

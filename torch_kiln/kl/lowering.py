@@ -178,14 +178,22 @@ template <typename T> inline T kl_minimum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a < b ? a : b;
 }
+// b == -1 is done apart: the minimum value divided by -1 overflows, which
+// x86 traps (SIGFPE); PyTorch's result wraps (min // -1 == min, min % -1 == 0).
 template <typename T> inline T kl_floordiv(T a, T b, const char* where) {
   KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    if (b == -1) return static_cast<T>(std::make_unsigned_t<T>(0) - static_cast<std::make_unsigned_t<T>>(a));
+  }
   T q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
 template <typename T> inline T kl_mod(T a, T b, const char* where) {
   KILN_KERNEL_CHECK(b != 0, where, ": integer division by zero");
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    if (b == -1) return T(0);
+  }
   T r = a % b;
   if (r != 0 && ((r < 0) != (b < 0))) r += b;
   return r;
