@@ -9,6 +9,7 @@ kernel that fails here fails the same way compiled (kiln) and simulated
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -260,6 +261,21 @@ def test_shape_and_index_errors(device, kernel, marker, pattern):
         launch(kernel, *args, device=device)
 
 
+@kl.jit
+def no_tensors(value, BLOCK: kl.constexpr):
+    v = value + kl.zeros((BLOCK,), kl.float32)  # noqa: F841
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [np.float32(1.5), np.float64(1.5), np.int64(3), np.int32(-2)],
+                         ids=["float32", "float64", "int64", "int32"])
+def test_numpy_scalar_arguments_act_as_python_numbers(device, value):
+    out, expected = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    fill[(1,)](out, value, BLOCK=4)
+    fill[(1,)](expected, value.item(), BLOCK=4)
+    assert torch.equal(out.cpu(), expected.cpu())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_calls(device):
     out = torch.zeros(4, device=device)
@@ -278,6 +294,8 @@ def test_bad_calls(device):
         fill[(1,)](out, torch.ones(()), BLOCK=4)
     with pytest.raises(TypeError, match="kl.constexpr argument 'BLOCK' must be a Python int"):
         fill[(1,)](out, 1.0, BLOCK=torch.tensor(4))
+    with pytest.raises(TypeError, match="kl kernel no_tensors has no tensor parameters"):
+        no_tensors[(1,)](1.0, BLOCK=4)
     with pytest.raises(ValueError, match="grid .* must be non-negative ints"):
         fill[(-1,)](out, 1.0, BLOCK=4)
     with pytest.raises(ValueError, match="the grid has 4 dims"):

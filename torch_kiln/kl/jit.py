@@ -220,6 +220,17 @@ class JITFunction:
     def _launch(self, grid, args, kwargs):
         values = self._bind(args, kwargs)
         self._check_kinds(values)
+        if not any(p.kind == "tensor" for p in self.params):
+            raise TypeError(f"kl kernel {self.fn.__name__} has no tensor parameters: a kernel "
+                            "loads from or stores to at least one tensor, whose device also "
+                            "says where it runs")
+        for p in self.params:
+            v = values[p.name]
+            if p.kind == "scalar" and type(v) not in (int, float) and \
+                    not isinstance(v, (torch.SymInt, torch.SymFloat)):
+                # A NumPy (or other numbers.Real) scalar: the operator's schema
+                # takes Python numbers only.
+                values[p.name] = int(v) if isinstance(v, numbers.Integral) else float(v)
         if callable(grid):
             grid = grid(values)
         if not isinstance(grid, (tuple, list)):
