@@ -13,6 +13,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
@@ -61,7 +62,9 @@ namespace at::kiln {
 //  4. Data-dependent ops (output sizes or returned values that depend on
 //     tensor values: nonzero, masked_select, unique, item, equal, ...) and
 //     reductions given an empty tensor (whose CPU kernels raise errors the
-//     meta kernels do not) run synchronously (ops without a meta kernel only
+//     meta kernels do not), and out= arguments that overlap an input in a way
+//     CPU may reject (Note [Out= arguments that overlap inputs]) run
+//     synchronously (ops without a meta kernel only
 //     their first call per argument signature, Note [Meta layouts and CPU
 //     layouts]): the task runs, the
 //     calling thread waits, and outputs are copied into new kiln tensors.
@@ -610,6 +613,175 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
   return outcome;
 }
 
+// ---------------------------------------------------------------- out= overlap
+
+// Note [Out= arguments that overlap inputs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// CPU's kernels check, before computing, that an out= argument does not
+// share memory with an input in a way they cannot handle: TensorIterator
+// rejects an out= whose elements partly overlap an input's
+// (`torch.mul(x[:-1], 2, out=x[1:])`) or whose own elements share memory
+// (an expanded out=); index_select, cat and others reject any overlap
+// (at::assert_no_overlap). PyTorch's meta kernels for out= ops check none of
+// it, so on the asynchronous path CPU's error would surface at the next
+// synchronization, and the failed kernel would mark the out= tensor, and
+// with it the input it overlaps, as never computed: the user's data lost.
+// So before anything is launched the executor looks at the memory of each
+// out= argument (sizes, strides and offsets, never values) with ATen's own
+// tests (ATen/MemoryOverlap.h):
+//   * no overlap with any tensor input, or one ATen cannot decide
+//     (TooHard, which CPU's checks let pass too): the asynchronous path;
+//   * overlap within the out= tensor (Yes), or partial overlap with an
+//     input: the call runs synchronously, which raises CPU's error at the
+//     call (or computes what CPU computes, for a kernel that allows it);
+//   * the out= tensor is exactly input i's memory (`torch.add(x, 1,
+//     out=x)`): elementwise kernels allow it, others reject it. At an op's
+//     first such call, CPU's kernel is asked on tiny images, as for dtypes
+//     (Note [Dtype errors at the call]), where tensors with the same memory
+//     share one image. If it accepts, the op is marked as accepting the
+//     overlap for argument i (OpSchemaInfo::accepts_out_fully_overlapping)
+//     and this call and later ones are asynchronous, so nothing
+//     synchronizes (and a kiln graph capture is not broken). If it raises
+//     ATen's overlap error, or gives no verdict (an op that is not probed,
+//     tiny images failing for another reason), the call runs synchronously:
+//     CPU's error at the call, or a success that marks the op.
+// The synchronous run gives such an out= argument its host alias rather than
+// a fresh host tensor, so the kernel sees the aliasing CPU would see
+// (runSynchronously). In-place ops need none of this: their meta kernels run
+// TensorIterator's checks on meta images that share one storage
+// (TensorAliases.h), which raises CPU's errors at the call.
+
+// Whether out= argument `i` shares memory with another tensor argument, or
+// has elements that share memory with one another.
+bool outSharesMemory(const OpSchemaInfo& info, const Stack& stack, size_t first, size_t i) {
+  bool shares = false;
+  forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& out) {
+    if (!out.defined() || shares) {
+      return;
+    }
+    shares = at::has_internal_overlap(out) == at::MemOverlap::Yes;
+    for (size_t j = 0; j < info.arg_kinds.size() && !shares; ++j) {
+      if (j == i) {
+        continue;
+      }
+      forEachTensorIn(stack[first + j], info.arg_kinds[j], [&](const at::Tensor& t) {
+        shares |= t.defined() && t.device() == out.device() && t.is_alias_of(out);
+      });
+    }
+  });
+  return shares;
+}
+
+// How an out= argument meets the inputs' memory (Note [Out= arguments that
+// overlap inputs]).
+enum class OutOverlap {
+  Harmless,      // no overlap, one ATen cannot decide, or a full one the op accepts
+  Unknown,       // a full overlap the op is not yet known to accept
+  Synchronous,   // overlap within an out= tensor, or a partial one: run synchronously
+};
+
+// Classifies the call's out= arguments. Sets `*full_overlaps` to the
+// arguments an out= argument fully overlaps that the op is not yet known to
+// accept.
+OutOverlap classifyOutOverlap(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                              uint64_t* full_overlaps) {
+  const size_t num_args = info.arg_kinds.size();
+  const uint64_t accepted = info.accepts_out_fully_overlapping.load(std::memory_order_relaxed);
+  bool synchronous = false;
+  *full_overlaps = 0;
+  for (size_t i = 0; i < num_args && !synchronous; ++i) {
+    if (!info.arg_is_out[i]) {
+      continue;
+    }
+    forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& out) {
+      if (synchronous || !out.defined() || out.numel() == 0) {
+        return;
+      }
+      if (at::has_internal_overlap(out) == at::MemOverlap::Yes) {
+        synchronous = true;
+        return;
+      }
+      for (size_t j = 0; j < num_args && !synchronous; ++j) {
+        if (info.arg_is_out[j]) {
+          continue;
+        }
+        forEachTensorIn(stack[first + j], info.arg_kinds[j], [&](const at::Tensor& input) {
+          if (synchronous || !input.defined() || input.device() != out.device()) {
+            return;
+          }
+          switch (at::get_overlap_status(out, input)) {
+            case at::MemOverlapStatus::Partial:
+              synchronous = true;
+              break;
+            case at::MemOverlapStatus::Full:
+              if (j >= 64) {
+                synchronous = true;
+              } else if ((accepted & (uint64_t{1} << j)) == 0) {
+                *full_overlaps |= uint64_t{1} << j;
+              }
+              break;
+            default: // No, TooHard
+              break;
+          }
+        });
+      }
+    });
+  }
+  if (synchronous) {
+    return OutOverlap::Synchronous;
+  }
+  return *full_overlaps != 0 ? OutOverlap::Unknown : OutOverlap::Harmless;
+}
+
+// Whether the CPU kernel accepts the call's full overlaps, judged as dtypes
+// are (Note [Dtype errors at the call]) on tiny images, where tensors whose
+// memory is the same get one image. std::nullopt: no verdict (the tiny
+// images failed for another reason, or the op is not probed).
+std::optional<bool> probeFullOverlap(const c10::OperatorHandle& op, const OpSchemaInfo& info,
+                                     const Stack& stack, size_t first) {
+  if (!info.checks_dtypes_at_call) {
+    return std::nullopt;
+  }
+  struct DiscardingHandler final : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+  };
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> images; // kiln tensor, image
+  auto imageOf = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || t.device().is_cpu()) {
+      return t;
+    }
+    for (const auto& [kiln, image] : images) {
+      if (at::get_overlap_status(kiln, t) == at::MemOverlapStatus::Full) {
+        return image;
+      }
+    }
+    images.emplace_back(t, tinyImageOf(t));
+    return images.back().second;
+  };
+  Stack args = argumentImages(info, stack, first, c10::kCPU,
+                              [&](const at::Tensor& t, bool) { return imageOf(t); });
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (info.arg_kinds[i] == ArgKind::Generator) {
+      args[i] = c10::IValue(at::detail::createCPUGenerator());
+    }
+  }
+  DiscardingHandler handler;
+  try {
+    c10::WarningUtils::WarningHandlerGuard guard(&handler);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+  } catch (const c10::Error& e) {
+    // ATen's overlap assertions (MemoryOverlap.cpp) all say this.
+    if (std::string_view(e.what_without_backtrace()).find("unsupported operation") !=
+        std::string_view::npos) {
+      return false;
+    }
+    return std::nullopt;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------- sync path
 
 // What a synchronous run learned about layouts.
@@ -643,13 +815,23 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   TensorAliaser aliaser(c10::kCPU);
   Stack host_args = hostArguments(info, *stack, first, aliaser, stream);
   // out= arguments get fresh host tensors: the kernel may resize them; the
-  // results are copied into the kiln tensors afterwards.
+  // results are copied into the kiln tensors afterwards. Except an out= that
+  // shares memory with another argument or within itself: it keeps its host
+  // alias, so the kernel sees (and checks) the aliasing CPU would see (Note
+  // [Out= arguments that overlap inputs]). Such an alias cannot grow its
+  // storage; a kernel that tried raises "Trying to resize storage that is
+  // not resizable".
   std::vector<at::Tensor> host_outs(num_args);
+  std::vector<at::Tensor> aliased_outs(num_args);
   std::vector<bool> out_was_empty(num_args, false);
   for (size_t i = 0; i < num_args; ++i) {
     if (info.arg_is_out[i] && host_args[i].isTensor()) {
       const at::Tensor& kiln_out = (*stack)[first + i].toTensor();
       out_was_empty[i] = kiln_out.numel() == 0;
+      if (outSharesMemory(info, *stack, first, i)) {
+        aliased_outs[i] = host_args[i].toTensor();
+        continue;
+      }
       host_outs[i] = at::empty({0}, at::TensorOptions().dtype(kiln_out.dtype()));
       host_args[i] = c10::IValue(host_outs[i]);
     }
@@ -696,6 +878,10 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
         adoptLayout(kiln_out, layout);
       }
       kiln_out.copy_(host_outs[i], /*non_blocking=*/true); // staged: see below
+    } else if (aliased_outs[i].defined()) {
+      // The kernel wrote the kiln memory itself; it may have resized its
+      // alias within the storage, as CPU resizes an out= view.
+      adoptLayout((*stack)[first + i].toTensor(), TensorLayout::of(aliased_outs[i]));
     }
   }
 
@@ -832,6 +1018,25 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
        (*stack)[first + static_cast<size_t>(info.sparse_flag_arg)].toBool())) {
     runSynchronously(op, info, stack, first, device);
     return;
+  }
+  if (info.has_out_args) {
+    // Note [Out= arguments that overlap inputs]
+    uint64_t full_overlaps = 0;
+    OutOverlap overlap = classifyOutOverlap(info, *stack, first, &full_overlaps);
+    if (overlap == OutOverlap::Unknown) {
+      const std::optional<bool> accepted = probeFullOverlap(op, info, *stack, first);
+      if (accepted == true) {
+        const_cast<OpSchemaInfo&>(info).accepts_out_fully_overlapping.fetch_or(full_overlaps);
+        overlap = OutOverlap::Harmless;
+      } else {
+        overlap = OutOverlap::Synchronous;
+      }
+    }
+    if (overlap == OutOverlap::Synchronous) {
+      runSynchronously(op, info, stack, first, device); // raises CPU's error, if any
+      const_cast<OpSchemaInfo&>(info).accepts_out_fully_overlapping.fetch_or(full_overlaps);
+      return;
+    }
   }
   if (info.checks_empty_inputs && hasEmptyInput(info, *stack, first)) {
     // The CPU kernel may reject the empty input where the meta kernel would

@@ -198,6 +198,7 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
         info->arg_is_out.back() ||
         (is_mutable && info->arg_is_mutable.size() == 1 && overwritesSelf(schema)));
     info->has_mutable_args |= is_mutable;
+    info->has_out_args |= static_cast<bool>(info->arg_is_out.back());
   }
   for (const auto& ret : schema.returns()) {
     ReturnInfo r;

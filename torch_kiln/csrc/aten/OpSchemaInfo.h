@@ -58,6 +58,7 @@ struct OpSchemaInfo {
   std::vector<ReturnInfo> returns;
 
   bool has_mutable_args = false;
+  bool has_out_args = false;
   bool has_fresh_returns = false;
   bool has_view_returns = false;
   bool has_non_tensor_returns = false;
@@ -98,6 +99,11 @@ struct OpSchemaInfo {
   // layouts cached from the meta kernel.
   std::atomic<bool> layouts_from_cpu{false};
   std::atomic<int64_t> layout_generation{0};
+  // Bit i: the CPU kernel accepted an out= argument that is the very tensor
+  // memory of argument i (same bytes, same layout), learned from one
+  // synchronous run (Note [Out= arguments that overlap inputs] in
+  // KilnOpExecutor.cc). Arguments past the 64th are never learned.
+  std::atomic<uint64_t> accepts_out_fully_overlapping{0};
 };
 
 const OpSchemaInfo& opSchemaInfo(const c10::OperatorHandle& op);
