@@ -99,3 +99,50 @@ def test_layer_norm_backward_on_cpu_depends_on_the_thread_count():
     torch.set_num_threads(2)
     two = _layer_norm_backward("cpu")
     assert not torch.equal(one[1], two[1])
+
+
+class _ReportThreadsInBackward(torch.autograd.Function):
+    """Identity whose backward, run by autograd's kiln device thread, issues
+    the reporting kernel."""
+    reports: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ReportThreadsInBackward.reports.append(
+            torch.ops.kiln_test_threads.intra_op_threads(grad))
+        return grad
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_set_num_threads_reaches_backward_kernels():
+    # Backward kernels are issued by autograd's device thread, whose own
+    # OpenMP count dates from when it started (Note [Intra-op threads of kiln
+    # kernels]); they must follow torch.set_num_threads as CPU's do.
+    for n in (1, 3, 2, 1):
+        torch.set_num_threads(n)
+        x = torch.zeros(1, device="kiln", requires_grad=True)
+        _ReportThreadsInBackward.apply(x).sum().backward()
+        threads, tid = _ReportThreadsInBackward.reports.pop().cpu().tolist()
+        assert threads == n
+        assert tid != threading.get_native_id()
+
+
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_backward_after_set_num_threads_gives_cpus_bits(device):
+    # A convolution's weight gradient splits its reduction by thread count.
+    torch.manual_seed(0)
+    img, k = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+
+    def weight_grad(dev):
+        kk = k.to(dev, copy=True).requires_grad_()
+        torch.nn.functional.conv2d(img.to(dev), kk, padding=1).relu().sum().backward()
+        return kk.grad.cpu()
+
+    for n in (1, 2, 1):
+        torch.set_num_threads(n)
+        assert torch.equal(weight_grad(device), weight_grad("cpu"))

@@ -1,7 +1,10 @@
 #include "aten/KilnTask.h"
 
+#include <pthread.h>
+
 #include <exception>
 #include <optional>
+#include <string_view>
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -59,7 +62,26 @@ void releaseTask(void* user_data) {
 
 } // namespace
 
+namespace {
+
+// Whether the calling thread is one of autograd's device threads, which
+// PyTorch names "pt_autograd_<device>" (torch/csrc/autograd/engine.cpp).
+bool isAutogradDeviceThread() {
+  char name[16] = {};
+  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) {
+    return false;
+  }
+  return std::string_view(name).starts_with("pt_autograd_");
+}
+
+} // namespace
+
 int issuingThreadCount() {
+  // Note [Intra-op threads of kiln kernels]: backward kernels.
+  static thread_local const bool autograd_device_thread = isAutogradDeviceThread();
+  if (autograd_device_thread) {
+    at::init_num_threads();
+  }
   return at::get_num_threads();
 }
 

@@ -45,6 +45,17 @@ struct TaskBody {
 // own OpenMP setting only when the count differs from the last task's. So
 // torch.set_num_threads(n) reaches kiln kernels issued after it, as it
 // reaches CPU kernels.
+//
+// Backward kernels are the exception to "the issuing thread's count": on CPU
+// they run on the thread that called backward(), with its count; on kiln
+// autograd's device thread ("pt_autograd_<index>") issues them, and its
+// OpenMP count is the one in force when that thread started (PyTorch sets it
+// once, in at::init_num_threads). After a later torch.set_num_threads(n),
+// kiln's backward kernels ran with the old count, and kernels whose
+// reductions split by thread count (a convolution's weight gradient) gave
+// other bits than CPU's. So on an autograd device thread the count is
+// refreshed from PyTorch's process-wide setting (at::init_num_threads, about
+// 10 ns) at every launch.
 
 // Note [Kiln tasks run in the issuer's inference mode]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,7 +67,8 @@ struct TaskBody {
 // and runs inside InferenceMode if it was, as the CPU kernel would have.
 
 // The intra-op thread count a task launched now should run with: the
-// calling thread's at::get_num_threads().
+// calling thread's at::get_num_threads(), refreshed from the process-wide
+// setting first on autograd's device threads.
 int issuingThreadCount();
 
 // Gives the stream worker `threads` intra-op threads (once per change); every
