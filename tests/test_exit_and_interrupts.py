@@ -18,6 +18,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from conftest import run_python
 
@@ -102,6 +103,43 @@ def test_exit_with_nothing_queued_says_nothing():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "8.0"
     assert "torch.kiln" not in result.stderr, result.stderr
+
+
+# A backward pass whose last node runs on CPU (the input came from a CPU
+# tensor that requires grad): the caller finishes the pass while kiln's
+# autograd device thread may still hold its GraphTask. Without the exit drain
+# about one run in four aborted at exit with std::terminate on
+# 'pt_autograd_0' (Note [Autograd device threads at exit]).
+BACKWARD_THEN_EXIT_SCRIPT = """
+import torch, torch.nn.functional as F
+img, k = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+def grad(device):
+    i = img.to(device).requires_grad_(); kk = k.to(device).requires_grad_()
+    F.conv2d(i, kk, padding=1).sum().backward()
+grad("kiln")
+grad("cpu")   # img itself now requires grad: the next pass ends on CPU
+grad("kiln")
+"""
+
+
+@pytest.mark.parametrize("run", range(8))
+def test_exit_right_after_a_backward_pass_does_not_abort(run):
+    result = run_python(BACKWARD_THEN_EXIT_SCRIPT, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "std::terminate" not in result.stderr, result.stderr[-3000:]
+
+
+def test_exit_drain_finds_the_autograd_device_threads():
+    # None before the first kiln backward; PyTorch then starts one per device.
+    result = run_python("import torch, torch_kiln.kiln._autograd_exit as e\n"
+                        "x = torch.ones(2, device='kiln', requires_grad=True)\n"
+                        "print(e._devices_with_autograd_threads())\n"
+                        "(x * 2).sum().backward()\n"
+                        "print(e._devices_with_autograd_threads())\n")
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.split("\n")[:2]
+    assert before == "[]"
+    assert after == str(list(range(torch.kiln.device_count())))
 
 
 def test_host_runs_at_most_the_queue_depth_ahead_of_a_stalled_stream():

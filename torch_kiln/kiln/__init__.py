@@ -21,7 +21,7 @@ from torch_kiln.kiln._utils import _device_index
 from torch_kiln.kiln import _multiprocessing
 from torch_kiln.kiln._multiprocessing import ipc_collect
 from torch_kiln.kiln.amp import get_amp_supported_dtype, is_bf16_supported
-from torch_kiln.kiln import _fused_kernels, amp, graphs, memory, nvtx
+from torch_kiln.kiln import _autograd_exit, _fused_kernels, amp, graphs, memory, nvtx
 from torch_kiln.kiln._device_queries import (
     KilnError,
     can_device_access_peer,
@@ -146,6 +146,16 @@ def _shut_down_at_exit() -> None:
 
 
 atexit.register(_shut_down_at_exit)
+
+
+def _drain_autograd_at_exit() -> None:
+    """Before the shutdown above (atexit runs handlers in reverse): Note
+    [Autograd device threads at exit] in _autograd_exit.py."""
+    if _initialized and not _is_in_bad_fork():
+        _autograd_exit.drain_autograd_device_threads()
+
+
+atexit.register(_drain_autograd_at_exit)
 
 
 def _lazy_init() -> None:

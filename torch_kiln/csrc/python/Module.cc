@@ -22,6 +22,7 @@
 #include "core/KilnException.h"
 #include "core/KilnGenerator.h"
 #include "core/KilnStream.h"
+#include "python/AutogradExit.h"
 #include "python/DistributedBindings.h"
 #include "python/GeneratedKernelBindings.h"
 #include "python/GraphBindings.h"
@@ -277,4 +278,5 @@ PYBIND11_MODULE(_C, m) {
     });
   });
   torch_kiln::initMemoryToolsBindings(m);
+  torch_kiln::initAutogradExitBindings(m);
 }
