@@ -66,6 +66,7 @@ Counters: :func:`get_stats` (``torch_kiln.compiler.get_metrics()["kiln_graphs"]`
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -220,6 +221,32 @@ def _signature(inputs: Sequence[Any]) -> tuple:
 # One captured graph.
 
 
+@contextlib.contextmanager
+def _current_stream_object(stream: Any):
+    """Dynamo's generated code names streams by index into a registry that
+    its bytecode fills before each call; index 0
+    (torch._dynamo.graph_bytecode_inputs.CURRENT_STREAM_INDEX) is the stream
+    current at the call. A capture switches to the capture stream after that,
+    so while the graph is captured index 0 must be the capture stream, or
+    `torch.ops.streams.wait_stream.default(1, 0)` makes the side stream wait
+    for the caller's stream, which is not capturing, and the side stream's
+    work never joins the graph. PyTorch's CUDA graph trees update the entry
+    the same way (_update_current_stream_external_object in
+    torch/_inductor/cudagraph_trees.py); here it is restored afterwards."""
+    from torch._dynamo import graph_bytecode_inputs as registry
+
+    index = registry.CURRENT_STREAM_INDEX
+    previous = registry.index_to_external_object_weakref.get(index)
+    registry.set_external_object_by_index(index, stream)
+    try:
+        yield
+    finally:
+        if previous is None:
+            registry.index_to_external_object_weakref.pop(index, None)
+        else:
+            registry.index_to_external_object_weakref[index] = previous
+
+
 class _Record:
     """One kiln graph of a graphed function for one input signature."""
 
@@ -254,7 +281,7 @@ class _Record:
                 self.static_args[i] = placeholder
                 self.copied.append(i)
         graph = kiln.KilnGraph()
-        with kiln.graph(graph, pool=owner.pool):
+        with kiln.graph(graph, pool=owner.pool), _current_stream_object(kiln.current_stream()):
             outputs = owner.model(list(self.static_args))
         self.graph = graph
         self.static_outputs = list(outputs)
@@ -637,16 +664,10 @@ def _check_lowering(original: Callable) -> Callable:
                 if "synchronize" in str(node.target):
                     return (f"skipping cudagraphs due to a synchronization in the graph ({node.target}): "
                             "a kiln graph capture refuses it")
-                # Eager side streams join a kiln graph capture (Note [Cross-stream
-                # capture]), but capturing such a compiled graph gave replays that
-                # differ from eager (tried with this skip removed): its side work
-                # did not join. The wrapper names streams by objects taken at trace
-                # time (`torch.ops.streams.wait_stream.default(1, 0)`: object 0 is
-                # the stream current when it was traced, the default stream), so
-                # the side stream waits for that stream, not the capture stream.
-                # Until those are mapped, such graphs run unrecorded.
-                return (f"skipping cudagraphs due to cross-stream work in the graph ({node.target}): "
-                        "its stream ops name the streams it was traced on, not the capture stream")
+                # Other stream ops (side streams, events) are captured: side
+                # streams join the capture (Note [Cross-stream capture]) once
+                # the registry's current stream is the capture stream
+                # (_current_stream_object).
         if config.graph_partition:
             # compile_fx skips these two checks when graph partitioning is on
             # (partitions split such ops out on CUDA); kiln graphs are not
