@@ -24,8 +24,13 @@ from conftest import run_python
 
 # Stalls the device, then sends SIGINT to the process from another thread
 # 0.3 s later; WAIT is the statement under test.
+# Both scripts restore Python's SIGINT handler first: a harness started as a
+# background job of a non-interactive shell hands its children SIGINT
+# ignored, and Python then installs no handler (seen once: every case failed
+# with "no interrupt").
 SIGINT_SCRIPT = """
 import os, signal, threading, time, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)
 x = torch.ones(1 << 10, device="kiln")
 x.add_(1); (x * 2).sum().item(); torch.kiln.synchronize()  # first calls done
 torch.kiln._sleep(20000)
@@ -199,6 +204,7 @@ print(torch.equal(k.cpu(), c))
 
 PINNED_INTERRUPT_SCRIPT = """
 import os, signal, threading, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)
 N = 1 << 20
 k = torch.full((N,), 7.0, device="kiln")
 p = torch.full((N,), 3.0).pin_memory()
