@@ -645,6 +645,9 @@ std::optional<MetaOutcome> runMetaKernel(const c10::OperatorHandle& op, const Op
 //     ATen's overlap error, or gives no verdict (an op that is not probed,
 //     tiny images failing for another reason), the call runs synchronously:
 //     CPU's error at the call, or a success that marks the op.
+// An out= argument that shares memory with another argument and that the
+// meta kernel resizes runs synchronously too, whatever the verdict above: the
+// resize can turn a full or no overlap into a partial one.
 // The synchronous run gives such an out= argument its host alias rather than
 // a fresh host tensor, so the kernel sees the aliasing CPU would see
 // (runSynchronously). In-place ops need none of this: their meta kernels run
@@ -1123,6 +1126,30 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
     computed = std::move(*meta);
   }
   const MetaOutcome& outcome = cached != nullptr ? *cached : computed;
+
+  // An out= argument that shares memory with another argument and that the
+  // meta kernel resizes: its overlap was judged before the resize (Note [Out=
+  // arguments that overlap inputs]), and after it the overlap may differ, so
+  // the call runs synchronously on host aliases, where CPU's own checks see
+  // the resized tensor.
+  if (info.has_out_args) {
+    for (size_t i = 0; i < num_args; ++i) {
+      if (!info.arg_is_out[i] || !outSharesMemory(info, *stack, first, i)) {
+        continue;
+      }
+      size_t j = 0;
+      bool resized = false;
+      forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+        const TensorLayout& layout = outcome.mutable_args[i][j++];
+        resized |= !t.sizes().equals(layout.sizes) || !t.strides().equals(layout.strides) ||
+            t.storage_offset() != layout.storage_offset;
+      });
+      if (resized) {
+        runSynchronously(op, info, stack, first, device);
+        return;
+      }
+    }
+  }
 
   // Mutable arguments the meta kernel resized (out= with the wrong size).
   for (size_t i = 0; i < num_args; ++i) {
