@@ -242,21 +242,28 @@ std::unique_ptr<OpSchemaInfo> analyze(const c10::OperatorHandle& op) {
   // Nor kernels that would trust what tiny images get wrong: integer
   // arguments describing sizes (ctc_loss's lengths, group_norm's N, C, HxW,
   // output sizes; a kernel may index by them unchecked), and LAPACK's pivots,
-  // which are 1-based (lu_solve, lu_unpack).
+  // which are 1-based (lu_solve, lu_unpack). Enum arguments (a dtype, a
+  // layout, a memory format) travel as ints but are not sizes: judged by
+  // their real type, ops like cumsum(dtype=) are probed (their schema type
+  // is int, which once kept `cumsum(bool, out=bool)` from raising at the
+  // call). Nor ops told which device to build on (`*_like(device=)`,
+  // `_to_copy`): a tiny run of their CPU kernel would allocate there.
   bool takes_tensors = false;
   bool takes_pivots = false;
   bool takes_sizes = false;
+  bool takes_device = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const ArgKind kind = info->arg_kinds[i];
     takes_tensors |= kind == ArgKind::Tensor || kind == ArgKind::OptionalTensor ||
         kind == ArgKind::TensorList || kind == ArgKind::OptionalTensorList;
     takes_pivots |= !info->arg_is_out[i] && args[i].name().find("pivots") != std::string::npos;
-    takes_sizes |= (isIntegerType(args[i].type()) || isIntegerType(args[i].real_type())) &&
-        !namesDimensionOrMode(args[i].name());
+    takes_sizes |= isIntegerType(args[i].real_type()) && !namesDimensionOrMode(args[i].name());
+    takes_device |= args[i].real_type()->kind() == c10::TypeKind::DeviceObjType ||
+        isOptionalOf(args[i].real_type(), c10::TypeKind::DeviceObjType);
   }
   info->checks_dtypes_at_call = schema.name().rfind("aten::", 0) == 0 && info->has_cpu_kernel &&
       !info->is_data_dependent && (info->has_mutable_args || info->has_fresh_returns) &&
-      takes_tensors && !takes_pivots && !takes_sizes;
+      takes_tensors && !takes_pivots && !takes_sizes && !takes_device;
   return info;
 }
 
