@@ -37,6 +37,15 @@ ACCEPTED = {
     "overlap after the resize, add": lambda x: torch.add(x[2:4], 1, out=x[1:2]),
     "full overlap then resized, add": lambda x: torch.add(
         x[:2], torch.ones(2, 2, device=x.device), out=x[:2]),
+    # The resize outgrows x's storage: the storage grows first, contents
+    # kept, as CPU's resize_ grows it (found by a helper: kiln raised "Trying
+    # to resize storage that is not resizable" where CPU succeeds).
+    "full overlap, resize grows the storage, add": lambda x: torch.add(
+        x[:], torch.ones(6, 1, device=x.device), out=x),
+    "full overlap, resize grows the storage, mm": lambda x: torch.mm(
+        x.view(2, 3), torch.ones(3, 4, device=x.device), out=x),
+    "dtype view, resize grows the storage, polar": lambda x: torch.polar(
+        torch.ones(6, device=x.device), x, out=x.view(torch.complex64)),
     "full overlap, sort values": lambda x: torch.sort(
         x.flip(0).contiguous(), out=(x, torch.empty(6, dtype=torch.long, device=x.device))),
 }
@@ -127,12 +136,14 @@ def test_out_overlap_errors_inside_a_failed_call_lose_nothing_queued():
 
 
 def test_resizing_an_out_that_is_an_input_raises_at_the_call_and_keeps_it():
-    # CPU: "output with shape [2] doesn't match the broadcast shape [2, 2]".
-    # Kiln raises at the call too, with another message (a known difference:
-    # the host alias of a kiln tensor cannot grow its storage).
     x = torch.arange(2.0, device="kiln")
     torch.add(x, 1, out=x)  # the op learns that out=x is accepted
-    with pytest.raises(RuntimeError):
-        torch.add(x, torch.ones(2, 1, device="kiln"), out=x)
+    on_cpu = torch.arange(2.0)
+    with pytest.raises(RuntimeError) as cpu_error:
+        torch.add(on_cpu, torch.ones(2, 1), out=on_cpu)
+    for _ in range(2):  # also once the op's layouts are cached
+        with pytest.raises(RuntimeError) as kiln_error:
+            torch.add(x, torch.ones(2, 1, device="kiln"), out=x)
+        assert str(kiln_error.value) == str(cpu_error.value)  # x is the same tensor twice
     torch.kiln.synchronize()
     assert_same(x, torch.arange(2.0) + 1)

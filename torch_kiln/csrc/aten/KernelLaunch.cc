@@ -46,6 +46,7 @@ void TensorDescriptor::assign(const at::Tensor& tensor) {
   }
   const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   storage_key = storage;
+  tensor_key = tensor.unsafeGetTensorImpl();
   data = const_cast<c10::StorageImpl*>(storage)->mutable_data();
   nbytes = storage->nbytes();
   dtype = tensor.scalar_type();

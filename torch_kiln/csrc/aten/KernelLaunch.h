@@ -42,6 +42,7 @@ struct TensorDescriptor {
   bool defined = false;
   at::Tensor host_tensor;             // set for host (CPU) tensors, used as is
   const void* storage_key = nullptr;  // identity of the kiln storage (never dereferenced)
+  const void* tensor_key = nullptr;   // identity of the kiln tensor (its TensorImpl, ditto)
   void* data = nullptr;               // the storage's first byte
   size_t nbytes = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;

@@ -424,13 +424,16 @@ at::Tensor tinyImageOf(const at::Tensor& t) {
   return at::zeros(sizes, at::TensorOptions().dtype(t.scalar_type()));
 }
 
+// Drops the warnings of a run whose outcome is only looked at (a probe); the
+// real run warns.
+struct DiscardingHandler final : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
 // Note [Dtype errors at the call]: whether the CPU kernel rejects the
 // arguments' dtypes, judged by a run on tiny images.
 LayoutCache::DtypeSupport probeDtypes(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                                       const Stack& stack, size_t first) {
-  struct DiscardingHandler final : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  };
   Stack args = argumentImages(info, stack, first, c10::kCPU,
                               [](const at::Tensor& t, bool) { return tinyImageOf(t); });
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
@@ -745,9 +748,6 @@ std::optional<bool> probeFullOverlap(const c10::OperatorHandle& op, const OpSche
   if (!info.checks_dtypes_at_call) {
     return std::nullopt;
   }
-  struct DiscardingHandler final : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  };
   c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> images; // kiln tensor, image
   auto imageOf = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || t.device().is_cpu()) {
@@ -822,8 +822,10 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   // shares memory with another argument or within itself: it keeps its host
   // alias, so the kernel sees (and checks) the aliasing CPU would see (Note
   // [Out= arguments that overlap inputs]). Such an alias cannot grow its
-  // storage; a kernel that tried raises "Trying to resize storage that is
-  // not resizable".
+  // storage: the caller grows it first where the meta kernel says the kernel
+  // will; a partial overlap judged before any meta kernel ran is run as is,
+  // and CPU's kernels check overlaps before resizing (TensorIterator's
+  // compute_mem_overlaps), so it raises CPU's overlap error first.
   std::vector<at::Tensor> host_outs(num_args);
   std::vector<at::Tensor> aliased_outs(num_args);
   std::vector<bool> out_was_empty(num_args, false);
@@ -996,6 +998,32 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
   }
 }
 
+// Before a synchronous run: an out= argument that shares memory with another
+// argument keeps its host alias in runSynchronously, which cannot grow its
+// storage. Where `meta` (the meta kernel's outcome for this call) says the
+// kernel's resize needs more bytes than the storage has, the kiln storage
+// grows now, contents kept (resizeStorageBytes, ordered on the stream), as
+// CPU's resize_ grows the shared storage inside the kernel; the other
+// arguments over that storage then read the new memory, as on CPU.
+void growAliasedOutStorages(const OpSchemaInfo& info, const Stack& stack, size_t first,
+                            const MetaOutcome& meta) {
+  for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
+    if (!info.arg_is_out[i] || !outSharesMemory(info, stack, first, i)) {
+      continue; // runSynchronously gives it a fresh host tensor
+    }
+    size_t j = 0;
+    forEachTensorIn(stack[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+      const TensorLayout& layout = meta.mutable_args[i][j++];
+      const size_t needed = at::detail::computeStorageNbytes(
+          layout.sizes, layout.strides, t.dtype().itemsize(),
+          static_cast<size_t>(layout.storage_offset));
+      if (needed > t.storage().nbytes()) {
+        c10::kiln::resizeStorageBytes(t.storage().unsafeGetStorageImpl(), needed);
+      }
+    });
+  }
+}
+
 } // namespace
 
 // ---------------------------------------------------------------- main path
@@ -1036,6 +1064,16 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       }
     }
     if (overlap == OutOverlap::Synchronous) {
+      if (info.has_meta_kernel) {
+        // The resize the kernel will make, if the meta kernel gets that far
+        // (its overlap checks are CPU's): an aliased out= cannot grow inside
+        // the synchronous run.
+        DiscardingHandler handler;
+        c10::WarningUtils::WarningHandlerGuard guard(&handler);
+        if (const std::optional<MetaOutcome> meta = runMetaKernel(op, info, *stack, first)) {
+          growAliasedOutStorages(info, *stack, first, *meta);
+        }
+      }
       runSynchronously(op, info, stack, first, device); // raises CPU's error, if any
       const_cast<OpSchemaInfo&>(info).accepts_out_fully_overlapping.fetch_or(full_overlaps);
       return;
@@ -1101,6 +1139,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       return;
     }
     if (trust == LayoutCache::MetaTrust::Unknown) {
+      growAliasedOutStorages(info, *stack, first, *meta);
       runSynchronously(op, info, stack, first, device, &probe);
       bool agree = true;
       for (size_t r = 0; r < info.returns.size() && agree; ++r) {
@@ -1131,23 +1170,27 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
   // meta kernel resizes: its overlap was judged before the resize (Note [Out=
   // arguments that overlap inputs]), and after it the overlap may differ, so
   // the call runs synchronously on host aliases, where CPU's own checks see
-  // the resized tensor.
+  // the resized tensor. A host alias cannot grow its storage, so a storage
+  // the resize outgrows is grown first, contents kept, as CPU's resize_
+  // grows it inside the kernel (the other arguments over the same storage
+  // see the new memory, as on CPU).
   if (info.has_out_args) {
-    for (size_t i = 0; i < num_args; ++i) {
+    bool resized = false;
+    for (size_t i = 0; i < num_args && !resized; ++i) {
       if (!info.arg_is_out[i] || !outSharesMemory(info, *stack, first, i)) {
         continue;
       }
       size_t j = 0;
-      bool resized = false;
       forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
         const TensorLayout& layout = outcome.mutable_args[i][j++];
         resized |= !t.sizes().equals(layout.sizes) || !t.strides().equals(layout.strides) ||
             t.storage_offset() != layout.storage_offset;
       });
-      if (resized) {
-        runSynchronously(op, info, stack, first, device);
-        return;
-      }
+    }
+    if (resized) {
+      growAliasedOutStorages(info, *stack, first, outcome);
+      runSynchronously(op, info, stack, first, device);
+      return;
     }
   }
 

@@ -30,6 +30,15 @@ c10::Storage TensorAliaser::storageFor(const void* key, void* data, size_t nbyte
   return storage;
 }
 
+at::Tensor* TensorAliaser::madeFor(const void* key) {
+  for (auto& [k, tensor] : tensors_) {
+    if (k == key) {
+      return &tensor;
+    }
+  }
+  return nullptr;
+}
+
 at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
   if (!tensor.defined()) {
     return tensor;
@@ -39,6 +48,9 @@ at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
     // tensors, and Python meta kernels turn wrapped numbers into scalars,
     // which they can only do for CPU tensors.
     return tensor;
+  }
+  if (at::Tensor* made = madeFor(tensor.unsafeGetTensorImpl())) {
+    return *made;
   }
   c10::StorageImpl* source_storage = tensor.storage().unsafeGetStorageImpl();
   c10::Storage storage =
@@ -51,7 +63,8 @@ at::Tensor TensorAliaser::alias(const at::Tensor& tensor) {
   impl->set_sizes_and_strides(source->sizes(), source->strides(), source->storage_offset());
   impl->_set_conj(source->is_conj());
   impl->_set_neg(source->is_neg());
-  return at::Tensor(std::move(impl));
+  tensors_.emplace_back(source, at::Tensor(std::move(impl)));
+  return tensors_.back().second;
 }
 
 at::Tensor TensorAliaser::alias(const TensorDescriptor& d) {
@@ -62,13 +75,17 @@ at::Tensor TensorAliaser::alias(const TensorDescriptor& d) {
   if (d.host_tensor.defined()) {
     return d.host_tensor;
   }
+  if (at::Tensor* made = madeFor(d.tensor_key)) {
+    return *made;
+  }
   auto impl = c10::make_intrusive<c10::TensorImpl>(
       storageFor(d.storage_key, d.data, d.nbytes), c10::DispatchKeySet(c10::DispatchKey::CPU),
       c10::scalarTypeToTypeMeta(d.dtype));
   impl->set_sizes_and_strides(d.sizes, d.strides, d.storage_offset);
   impl->_set_conj(d.is_conj);
   impl->_set_neg(d.is_neg);
-  return at::Tensor(std::move(impl));
+  tensors_.emplace_back(d.tensor_key, at::Tensor(std::move(impl)));
+  return tensors_.back().second;
 }
 
 } // namespace at::kiln

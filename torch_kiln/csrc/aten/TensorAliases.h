@@ -13,7 +13,11 @@
 //
 // A TensorAliaser gives tensors that share a kiln storage stand-ins that share
 // one storage, so aliasing checks inside kernels (overlap, in-place on a view,
-// copy between views of one base) behave exactly as they do on CPU. CPU
+// copy between views of one base) behave exactly as they do on CPU; and one
+// tensor passed as two arguments one stand-in, so checks of tensor identity
+// (`is_same`: TensorIterator refuses to resize an out= that is also an
+// input, "output with shape [2] doesn't match the broadcast shape [2, 2]")
+// behave as they do on CPU too. CPU
 // tensors (the 0-dim "scalar" tensors ops accept from the host) pass through
 // unchanged: kernels of every device, meta included, accept them.
 //
@@ -41,9 +45,12 @@ class TensorAliaser {
 
  private:
   c10::Storage storageFor(const void* key, void* data, size_t nbytes);
+  // The stand-in already made for the tensor `key` (its TensorImpl), if any.
+  at::Tensor* madeFor(const void* key);
 
   c10::DeviceType target_;
   c10::SmallVector<std::pair<const void*, c10::Storage>, 4> storages_;
+  c10::SmallVector<std::pair<const void*, at::Tensor>, 4> tensors_;
 };
 
 } // namespace at::kiln
