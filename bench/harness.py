@@ -30,6 +30,11 @@ KILN = "kiln"
 CPU = "cpu"
 DEVICES = (CPU, KILN)
 
+# PyTorch's own choice of intra-op threads for this machine, read at import
+# (run.py imports this module before it applies --threads): the
+# training-default-threads group runs at it.
+DEFAULT_INTRA_OP_THREADS = torch.get_num_threads()
+
 
 def sync(device: str) -> None:
     """Waits for `device`'s queued work (a no-op for the synchronous CPU)."""

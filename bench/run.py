@@ -25,6 +25,9 @@ load), and kiln's worker runs beside the Python thread, so kiln with 2
 intra-op threads would put 3 busy threads on 2 cores. Note that kiln's
 asynchrony means its Python thread and its worker run concurrently: with
 N = 1, CPU uses one core, kiln up to two (as a GPU adds its own hardware).
+The group training-default-threads runs the training rows again at
+PyTorch's default thread count (harness.DEFAULT_INTRA_OP_THREADS), where
+both devices use every core.
 
 Method: see bench/harness.py (warm-up, interleaved repetitions, medians) and
 bench/README.md for what every row measures.
@@ -58,6 +61,7 @@ GROUPS = {
     "copies": micro.copies,
     "queue": micro.pending_op_memory,
     "training": training.throughput,
+    "training-default-threads": training.throughput_at_default_threads,
     "memory": training.peak_memory,
     "compile": compilation.throughput,
     "compile-time": compilation.compile_time,

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import harness
 from harness import CPU, DEVICES, KILN, Row, Target, interleaved, row_from_samples, sync, timed
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
@@ -223,6 +224,41 @@ def throughput(quick: bool) -> list[Row]:
             note=note + "; KILN_ADAPTIVE_EAGER=1 for kiln"))
         del trainers, reps
     return rows
+
+
+def throughput_at_default_threads(quick: bool) -> list[Row]:
+    """Training throughput of both examples, CPU and kiln (adaptive eager
+    off), at PyTorch's default intra-op thread count for this machine
+    (harness.DEFAULT_INTRA_OP_THREADS, read before run.py applies --threads)
+    instead of the run's --threads; the run's setting is restored afterwards.
+    Issue 16's default-threads target: kiln >= 1.0x CPU on every row. Here
+    kiln's Python thread, its stream worker and the worker's OpenMP team
+    share the cores that CPU eager's one thread and its team use."""
+    threads = harness.DEFAULT_INTRA_OP_THREADS
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # kiln's tasks follow it (Note [Intra-op threads of kiln kernels])
+    try:
+        worker_threads, _ = harness.kiln_task_threads()
+        rows = []
+        for name, trainer_class, plan in MODELS:
+            warmup, steps, repetitions = plan["quick" if quick else "full"]
+            trainers = {d: trainer_class(d) for d in DEVICES}
+            for trainer in trainers.values():
+                trainer.step(warmup)
+            sync(KILN)
+            reps = {d: timed(d, lambda t=t: t.step(steps), steps * t.items_per_step)
+                    for d, t in trainers.items()}
+            samples = interleaved(reps, repetitions, warmup=0)
+            rows.append(row_from_samples(
+                "training-default-threads", f"{name} training, {threads} threads (default)",
+                f"{trainer_class.unit}/s", samples, lambda s: 1.0 / s, higher_is_better=True,
+                target=Target("ratio>=", 1.0),
+                note=f"{steps} steps x {repetitions} reps; torch.get_num_threads() = {threads} "
+                     f"for CPU, {worker_threads} inside kiln tasks"))
+            del trainers, reps
+        return rows
+    finally:
+        torch.set_num_threads(previous)
 
 
 def peak_memory(quick: bool) -> list[Row]:
