@@ -111,7 +111,7 @@ def test_rms_norm_source_reads_no_mask_tile_and_loads_the_weight_once_per_chunk(
     src = kl_rms_norm.rms_norm_kernel.source(out, x, w, 64, 128, 1e-6, ROWS=4, BLOCK=128)
     body = src[src.index("KILN_KERNEL("):]
     assert "bool* __restrict" not in body  # no mask tile is materialised
-    assert body.count("kl_lt_zero(") >= 3  # the masks as row intervals
+    assert body.count("kl_compare_interval(") >= 3  # the masks as row intervals
     program_loop = body.index("for (int64_t kl_program")
     weight_load = body.index("weight_data + (")
     assert weight_load < program_loop  # hoisted out of the program loop
@@ -584,3 +584,60 @@ def test_index_tiles_built_from_a_carried_index_tile(k):
     expected = padded.reshape(1, -1, 4).sum(1) if k else torch.zeros(1, 4)
     assert torch.equal(simulated[0], expected)
     assert torch.equal(compiled[0], simulated[0])
+
+
+# int64 overflow. The simulator runs on PyTorch's int64 tensors, which wrap
+# (two's complement); compiled kernels are built with -fwrapv so that plain
+# arithmetic wraps the same way, and masks (computed as exact row intervals,
+# Note [kl interval masks]) raise rather than differ where an operand would
+# wrap. Both cases were silently different before: g++ folded (n * 4) // 4
+# to n and m + 1 > m to true.
+@kl.jit
+def wrapping_arithmetic_kernel(out, n, BLOCK: kl.constexpr):
+    i = kl.arange(0, BLOCK)
+    m = (n * 4) // 4
+    kl.store(out, (i,), m + i * 0)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_int64_arithmetic_wraps_as_in_the_simulator(device):
+    n = 2**62 + 1
+    expected = (torch.tensor(n) * 4) // 4  # PyTorch's wrapped int64: 1
+    simulated = torch.zeros(4, dtype=torch.int64)
+    wrapping_arithmetic_kernel[(1,)](simulated, n, BLOCK=4)
+    out = torch.zeros(4, dtype=torch.int64, device=device)
+    wrapping_arithmetic_kernel[(1,)](out, n, BLOCK=4)
+    assert expected.item() == 1
+    assert simulated.tolist() == [1] * 4
+    assert out.cpu().tolist() == simulated.tolist()
+
+
+@kl.jit
+def successor_mask_kernel(out, n, BLOCK: kl.constexpr):
+    i = kl.arange(0, BLOCK)
+    m = n + i
+    kl.store(out, (i,), kl.where(m + 1 > m, 1, 0))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_a_mask_comparison_at_the_int64_limit(device):
+    # inside int64 up to the last element: the simulator's mask, exactly
+    out = torch.zeros(4, dtype=torch.int64, device=device)
+    successor_mask_kernel[(1,)](out, 2**63 - 5, BLOCK=4)
+    simulated = torch.zeros(4, dtype=torch.int64)
+    successor_mask_kernel[(1,)](simulated, 2**63 - 5, BLOCK=4)
+    assert simulated.tolist() == [1, 1, 1, 1]
+    assert out.cpu().tolist() == simulated.tolist()
+    # m + 1 wraps at the last element: the simulator wraps (m + 1 > m is
+    # false there); compiled kl does not guess, it names the comparison
+    successor_mask_kernel[(1,)](simulated, 2**63 - 4, BLOCK=4)
+    assert simulated.tolist() == [1, 1, 1, 0]
+    with pytest.raises(RuntimeError, match=r"kl kernel 'successor_mask_kernel' at .*test_kl_lowering.py:\d+: "
+                                           r"kl.gt: an operand of the mask's comparison leaves int64 "
+                                           r"at element 3"):
+        successor_mask_kernel[(1,)](out, 2**63 - 4, BLOCK=4)
+        torch.kiln.synchronize(device)
+    # later work runs (out itself was never written: kiln marks it so)
+    again = torch.zeros(4, dtype=torch.int64, device=device)
+    successor_mask_kernel[(1,)](again, 7, BLOCK=4)
+    assert again.cpu().tolist() == [1, 1, 1, 1]

@@ -59,7 +59,11 @@ _COMPILE_STATS = {"traces": 0, "libraries_loaded": 0}  # per process, for tests
 # kernel's two ops round twice; off, every kl op rounds as written, so fused
 # and unfused lowerings agree bit for bit (Note [kl elementwise fusion]) and
 # agree with the simulator's op-by-op PyTorch math.
-CFLAGS = ("-O2", "-fvect-cost-model=dynamic", "-ffp-contract=off")
+# -fwrapv: signed integer overflow wraps (two's complement), as PyTorch's
+# int64 tensors do in the simulator. Without it, overflow is undefined in
+# C++ and g++ folds it away: (n * 4) // 4 became n and m + 1 > m became true
+# where the simulator wrapped (tests/test_kl_lowering.py, int64 overflow).
+CFLAGS = ("-O2", "-fvect-cost-model=dynamic", "-ffp-contract=off", "-fwrapv")
 
 
 def _kl_library():

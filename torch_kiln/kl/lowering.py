@@ -255,39 +255,67 @@ void kl_store_row(T* row, int64_t step, int64_t lo, int64_t hi, const bool* mask
   }
 }
 // Narrows [*lo, *hi) to the i in [0, n) where 0 <= j0 + c * i < size.
-inline void kl_in_bounds(int64_t j0, int64_t c, int64_t size, int64_t n, int64_t* lo,
+// Exact (__int128): an index expression near the ends of int64 (-j0 or
+// size - j0 would wrap in int64) is judged out of bounds, never let through.
+inline void kl_in_bounds(int64_t j0_, int64_t c_, int64_t size, int64_t n, int64_t* lo,
                          int64_t* hi) {
-  int64_t a = 0, b = n;  // the i with j0 + c * i in [0, size)
+  using I = __int128;
+  const I j0 = j0_, c = c_;
+  I a = 0, b = n;  // the i with j0 + c * i in [0, size)
   if (c == 0) {
     if (j0 < 0 || j0 >= size) b = 0;
   } else if (c > 0) {
     a = j0 >= 0 ? 0 : (-j0 + c - 1) / c;
     b = size - j0 <= 0 ? 0 : (size - j0 + c - 1) / c;
   } else {
-    const int64_t m = -c;  // j0 - m * i in [0, size)  <=>  i in ((j0 - size) / m, j0 / m]
+    const I m = -c;  // j0 - m * i in [0, size)  <=>  i in ((j0 - size) / m, j0 / m]
     a = j0 - size < 0 ? 0 : (j0 - size) / m + 1;
     b = j0 < 0 ? 0 : j0 / m + 1;
   }
-  *lo = std::max(*lo, std::min(a, n));
-  *hi = std::min(*hi, std::max<int64_t>(std::min(b, n), 0));
+  *lo = static_cast<int64_t>(std::max<I>(*lo, std::min<I>(a, n)));
+  *hi = static_cast<int64_t>(std::min<I>(*hi, std::max<I>(std::min<I>(b, n), 0)));
   if (*hi < *lo) *hi = *lo;
 }
-// Narrows [*lo, *hi) to the i with j0 + c * i < 0 (an interval: the
-// condition is monotonic in i). Note [kl interval masks]. Called on
-// [0, n) first; afterwards either 0 <= *lo < *hi <= n or *lo == *hi == 0
-// (empty), so loops over [0, lo) and [hi, n) stay inside the row.
-inline int64_t kl_floor_div(int64_t a, int64_t b) {  // b > 0
+// Narrows [*lo, *hi) to the i in [0, n) with a(i) < b(i) (a(i) <= b(i)
+// when or_equal), a(i) = la + lc * i and b(i) = ra + rc * i, n >= 1: an
+// interval, as the condition is monotonic in i. Note [kl interval masks].
+// Called on [0, n) first; afterwards either 0 <= *lo < *hi <= n or *lo ==
+// *hi == 0 (empty), so loops over [0, lo) and [hi, n) stay inside the row.
+// Exact (__int128). The operands are int64 tiles, which wrap on overflow
+// (-fwrapv, as PyTorch's int64 does in the simulator): a(i) and b(i) are
+// what the kernel compares only while they stay inside int64, and then a
+// wrapped mask need not be an interval at all. An operand outside int64 at
+// either end of the row (affine: then nowhere between) is an error naming
+// the kernel and the comparison's line, never a silently different mask.
+[[noreturn]] __attribute__((noinline, cold)) void kl_mask_overflow(const char* where, int64_t i) {
+  throw kiln::Error(std::string(where) + ": an operand of the mask's comparison leaves int64 "
+                    "at element " + std::to_string(i) + " of a row (it would wrap); kl "
+                    "compares index expressions only inside int64");
+}
+inline __int128 kl_floor_div(__int128 a, __int128 b) {  // b > 0
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
-inline void kl_lt_zero(int64_t j0, int64_t c, int64_t* lo, int64_t* hi) {
-  if (c == 0) {
-    if (j0 >= 0) *hi = *lo;
-  } else if (c > 0) {  // i < -j0 / c  <=>  i <= floor((-j0 - 1) / c)
-    *hi = std::min(*hi, kl_floor_div(-j0 - 1, c) + 1);
-  } else {  // i * (-c) > j0  <=>  i >= floor(j0 / -c) + 1
-    *lo = std::max(*lo, kl_floor_div(j0, -c) + 1);
+inline void kl_compare_interval(int64_t la, int64_t lc, int64_t ra, int64_t rc, bool or_equal,
+                                int64_t n, const char* where, int64_t* lo, int64_t* hi) {
+  using I = __int128;
+  const I min = std::numeric_limits<int64_t>::min(), max = std::numeric_limits<int64_t>::max();
+  for (int64_t i : {int64_t(0), n - 1}) {
+    const I a = I(la) + I(lc) * i, b = I(ra) + I(rc) * i;
+    if (a < min || a > max || b < min || b > max) kl_mask_overflow(where, i);
   }
-  if (*hi <= *lo) *lo = *hi = 0;
+  // a - b < 0;  a - b <= 0  <=>  a - b - 1 < 0
+  const I j0 = I(la) - I(ra) - (or_equal ? 1 : 0), c = I(lc) - I(rc);
+  I l = *lo, h = *hi;
+  if (c == 0) {
+    if (j0 >= 0) h = l;
+  } else if (c > 0) {  // i < -j0 / c  <=>  i <= floor((-j0 - 1) / c)
+    h = std::min(h, kl_floor_div(-j0 - 1, c) + 1);
+  } else {  // i * (-c) > j0  <=>  i >= floor(j0 / -c) + 1
+    l = std::max(l, kl_floor_div(j0, -c) + 1);
+  }
+  if (h <= l) l = h = 0;
+  *lo = static_cast<int64_t>(l);  // both inside [0, n) by now
+  *hi = static_cast<int64_t>(h);
 }
 [[noreturn]] __attribute__((noinline, cold)) void kl_out_of_bounds(
     const char* where, int64_t index, int dim, int64_t size) {
@@ -492,11 +520,11 @@ class _Emitter:
         along any row of a load or store one interval of the row's inner
         index: each comparison is monotonic in it. A row load/store given such
         a mask computes that interval from the comparisons' operands
-        (kl_lt_zero) instead of reading a bool tile. A mask tile (and the
+        (kl_compare_interval) instead of reading a bool tile. A mask tile (and the
         comparisons under it) used by nothing else is then never computed.
 
-        Returns ({mask id: [(kind, lhs, rhs), ...]}, ids of values that need
-        not be computed)."""
+        Returns ({mask id: [(kind, lhs, rhs, comparison op), ...]}, ids of
+        values that need not be computed)."""
         conditions: dict[int, list] = {}
         carried: set[int] = set()  # values a loop rewrites: not constant where the mask is used
         for op in ir.walk(self.trace.block):
@@ -521,7 +549,7 @@ class _Emitter:
             if op.kind in self._CONDITIONS and op.attrs.get("common") == torch.int64:
                 a, b = op.operands
                 if index_like(a) and index_like(b):
-                    conditions[v.id] = [(op.kind, a, b)]
+                    conditions[v.id] = [(op.kind, a, b, op)]
             elif op.kind == "and" and op.attrs.get("common") == torch.bool:
                 a, b = op.operands
                 if (isinstance(a, ir.Value) and isinstance(b, ir.Value) and a.id in conditions
@@ -750,13 +778,14 @@ class _Emitter:
         comparisons' conjunction) at outer index ``idx``; returns the names."""
         mlo, mhi = self.fresh("mlo"), self.fresh("mhi")
         self.line(f"int64_t {mlo} = 0, {mhi} = {n};")
-        for cmp, lhs, rhs in interval:
+        for cmp, lhs, rhs, op in interval:
             (la, lc), (ra, rc) = (self._linear(t, idx, inner) for t in (lhs, rhs))
             if cmp in ("gt", "ge"):  # a > b  <=>  b < a
                 (la, lc), (ra, rc) = (ra, rc), (la, lc)
-            # a < b <=> a - b < 0;  a <= b <=> a - b - 1 < 0
-            j0 = f"({la} - {ra}{' - 1' if cmp in ('le', 'ge') else ''})"
-            self.line(f"kl_lt_zero({j0}, ({lc}) - ({rc}), &{mlo}, &{mhi});")
+            or_equal = "true" if cmp in ("le", "ge") else "false"
+            where = self.where(op, f"kl.{cmp}")
+            self.line(f"kl_compare_interval({la}, {lc}, {ra}, {rc}, {or_equal}, {n}, {where}, "
+                      f"&{mlo}, &{mhi});")
         return mlo, mhi
 
     def op_transpose(self, op):
