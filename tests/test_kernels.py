@@ -25,6 +25,8 @@ sys.path.insert(0, REPO)
 from examples.kernels import bias_gelu as bg  # noqa: E402
 from examples.kernels import adamw  # noqa: E402
 from examples.kernels import rms_norm as rn  # noqa: E402
+from examples.kernels import causal_attention as ca  # noqa: E402
+from examples.kernels import softmax as sm  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -168,6 +170,60 @@ def test_rms_norm_compiled_fullgraph():
 
     x = torch.randn(8, 32, device="kiln")
     close(torch.compile(step, fullgraph=True)(x), step(x))
+    torch._dynamo.reset()
+
+
+# The C++ counterparts of the kl softmax and attention kernels (bench's
+# kernels group sets them side by side): forward only, float32.
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (33, 1024), (3, 1000)])
+def test_cpp_softmax_matches_pytorch(device, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 4
+    out = sm.softmax(x.to(device))
+    assert out.device == torch.device(device)
+    torch.testing.assert_close(out.cpu(), torch.softmax(x, -1))
+    # a strided view: made contiguous first
+    torch.testing.assert_close(sm.softmax(x.t().to(device)).cpu(), torch.softmax(x.t(), -1))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
+@pytest.mark.parametrize("bh, seq, d, blocks", [(2, 100, 64, (32, 16)), (1, 1, 8, (128, 128)),
+                                                (3, 77, 17, (64, 64)), (1, 300, 32, (128, 128))])
+def test_cpp_causal_attention_matches_sdpa(device, bh, seq, d, blocks):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(bh, seq, d, generator=g) for _ in range(3))
+    out = ca.causal_attention(q.to(device), k.to(device), v.to(device), *blocks)
+    assert out.device == torch.device(device)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_cpp_softmax_and_attention_reject_bad_inputs_at_the_call():
+    x = torch.randn(4, 4, device="kiln")
+    with pytest.raises(RuntimeError, match=r"kilnex::softmax: x must be 2-D, got 3-D"):
+        sm.softmax(x[None])
+    with pytest.raises(RuntimeError, match=r"kilnex::softmax: x must be float32, got torch.float64"):
+        sm.softmax(x.double())
+    q = torch.randn(2, 8, 4, device="kiln")
+    with pytest.raises(RuntimeError, match=r"q, k and v must have one shape"):
+        ca.causal_attention(q, q, q[:, :4])
+    with pytest.raises(RuntimeError, match=r"q, k and v must be float32, got torch.bfloat16"):
+        ca.causal_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    with pytest.raises(RuntimeError, match=r"blocks must be positive, got \(0, 16\)"):
+        ca.causal_attention(q, q, q, 0, 16)
+    torch.testing.assert_close(sm.softmax(x).cpu(), torch.softmax(x.cpu(), -1))
+
+
+def test_cpp_softmax_and_attention_are_one_node_under_compile():
+    torch._dynamo.reset()
+    x = torch.randn(8, 40, device="kiln")
+    q = torch.randn(2, 16, 8, device="kiln")
+
+    def f(x, q):
+        return sm.softmax(x * 2), ca.causal_attention(q, q * 0.5, q, 8, 8)
+
+    for got, want in zip(torch.compile(f, fullgraph=True)(x, q), f(x, q)):
+        torch.testing.assert_close(got, want)
     torch._dynamo.reset()
 
 

@@ -56,24 +56,12 @@ PRELUDE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <kiln/kernel.h>
 
-// From ATen/native/CPUBlas.h (PyTorch 2.13), declared here: including that
-// header adds 2-3 s to every kl kernel's build. libtorch_cpu exports both;
-// a signature that no longer matches fails the link (build.py links with
-// -Wl,--no-undefined: the error names the symbol).
-namespace at::native::cpublas {
-void brgemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, int64_t ld_c,
-            const bool add_C, const float* A, const float* B, float* C, bool is_vnni);
-void brgemm_release(bool is_vnni);
-}  // namespace at::native::cpublas
 namespace {
 using KlVec = at::vec::Vectorized<float>;
-// c (m x n) = a (m x k) @ b (k x n), all row-major and contiguous: oneDNN's
-// batch-reduce GEMM micro-kernel through ATen (at::native::cpublas::brgemm,
-// what PyTorch's CPU flash attention calls), about twice BLAS sgemm's speed
-// on attention's 64x64x64 blocks; ATen falls back to a reference GEMM where
-// oneDNN's kernel is unavailable.
+// c (m x n) = a (m x k) @ b (k x n), all row-major and contiguous
+// (kiln::gemm_f32: oneDNN's brgemm through ATen, kiln/kernel.h).
 inline void kl_gemm(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
-  at::native::cpublas::brgemm(m, n, k, k, n, n, /*add_C=*/false, a, b, c, /*is_vnni=*/false);
+  kiln::gemm_f32(m, n, k, a, k, b, n, c, n, /*accumulate=*/false);
 }
 // kl.fast_exp. On AVX2: ATen's exp_u20 (Vectorized<float>::exp_u20: x = n ln2
 // + r, a degree-5 polynomial for exp(r)) with two changes that make it right
@@ -1515,7 +1503,7 @@ def lower(trace: ir.Trace, kernel_name: str) -> tuple[str, str]:
     if e.streams:
         out.append("    kiln::fence_streaming();")
     if e.gemm:
-        out.append("    at::native::cpublas::brgemm_release(false);  // as ATen's flash attention")
+        out.append("    kiln::gemm_release();")
     out.append("  });")
     out.append("}")
     signature = f"{kernel_name}({', '.join(sig)})"

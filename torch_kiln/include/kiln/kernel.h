@@ -61,6 +61,16 @@
 #include <immintrin.h>
 #endif
 
+// From ATen/native/CPUBlas.h (PyTorch 2.13), for kiln::gemm_f32 below,
+// declared here: including that header adds 2-3 s to every kernel's build.
+// libtorch_cpu exports both; a signature that no longer matches fails the
+// link (kernels link with -Wl,--no-undefined: the error names the symbol).
+namespace at::native::cpublas {
+void brgemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, int64_t ld_c,
+            const bool add_C, const float* A, const float* B, float* C, bool is_vnni);
+void brgemm_release(bool is_vnni);
+}  // namespace at::native::cpublas
+
 namespace kiln {
 
 // Codes of element types in the launch ABI (torch_kiln/kernels/signature.py
@@ -363,6 +373,24 @@ inline void fence_streaming() {
   _mm_sfence();
 #endif
 }
+
+// ------------------------------------------------------------------- GEMM
+// c (m x n) = a (m x k) @ b (k x n), or c += a @ b when accumulate; float32,
+// row-major, leading dimensions ld_a, ld_b, ld_c in elements. oneDNN's
+// batch-reduce GEMM micro-kernel through ATen (at::native::cpublas::brgemm,
+// what PyTorch's CPU flash attention calls): about twice BLAS sgemm's speed
+// on attention's 64x64x64 blocks; ATen falls back to a reference GEMM where
+// oneDNN's kernel is unavailable. For blocks that fit in cache (a kernel's
+// tiles), not whole matrices. A thread that called it calls gemm_release()
+// once at the end of its parallel_for chunk (frees the micro-kernel's
+// per-thread state, as ATen's flash attention does). Used by kl.matmul
+// (torch_kiln/kl) and examples/kernels/causal_attention.py.
+inline void gemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
+                     const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
+  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, accumulate, a, b, c, /*is_vnni=*/false);
+}
+
+inline void gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/false); }
 
 } // namespace kiln
 
