@@ -641,3 +641,90 @@ def test_a_mask_comparison_at_the_int64_limit(device):
     again = torch.zeros(4, dtype=torch.int64, device=device)
     successor_mask_kernel[(1,)](again, 7, BLOCK=4)
     assert again.cpu().tolist() == [1, 1, 1, 1]
+
+
+@kl.jit
+def trip_count_kernel(out, lo, hi, STEP: kl.constexpr):
+    cnt = kl.full((), 0, kl.int64)
+    last = kl.full((), 0, kl.int64)
+    for k in kl.range(lo, hi, STEP):
+        cnt = cnt + 1
+        last = k + 0
+    i = kl.arange(0, 2)
+    kl.store(out, (i,), kl.where(i == 0, cnt, last))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("lo, hi, step", [(2**63 - 8, 2**63 - 1, 4), (0, 2**63 - 1, 2**62),
+                                          (-2**63, 2**63 - 1, 2**62), (-5, 3, 2), (5, 1, 1),
+                                          (7, 7, 3), (2**63 - 2, 2**63 - 1, 1)])
+def test_a_range_loop_runs_pythons_trip_count_up_to_the_int64_limits(device, lo, hi, step):
+    # compiled, k += STEP wrapped near the int64 maximum and `k < hi` held
+    # for ever (a hang); the loop now counts Python's range's trips
+    expected = [len(range(lo, hi, step)), range(lo, hi, step)[-1] if range(lo, hi, step) else 0]
+    simulated = torch.zeros(2, dtype=torch.int64)
+    trip_count_kernel[(1,)](simulated, lo, hi, STEP=step)
+    out = torch.zeros(2, dtype=torch.int64, device=device)
+    trip_count_kernel[(1,)](out, lo, hi, STEP=step)
+    assert simulated.tolist() == expected
+    assert out.cpu().tolist() == expected
+
+
+# Scalar arguments and scalar tiles with bfloat16/float16 tiles promote and
+# round as PyTorch's 0-dim tensors and Python numbers do (Note [kl Python
+# numbers with half tiles]): bf16 x - 1.01 subtracted 1.01f where PyTorch
+# subtracts bf16(1.01) = 1.0078125, and bf16 1.0 + 257 gave 258, not 256.
+@kl.jit
+def half_scalar_kernel(o, x, s, OP: kl.constexpr, N: kl.constexpr):
+    i = kl.arange(0, N)
+    v = kl.load(x, (i,))
+    if OP == 0:
+        r = v - s
+    if OP == 1:
+        r = v * s
+    if OP == 2:
+        r = s - v
+    if OP == 3:
+        r = (v == s).to(kl.float32)
+    if OP == 4:
+        r = v / s
+    if OP == 5:
+        r = v + kl.sum(v.to(kl.float32), axis=0) * 0.0 + s  # a computed float32 scalar
+    kl.store(o, (i,), r)
+
+
+_HALF_OPS = {0: lambda x, s: x - s, 1: lambda x, s: x * s, 2: lambda x, s: s - x,
+             3: lambda x, s: (x == s).to(x.dtype), 4: lambda x, s: x / s,
+             5: lambda x, s: x + s}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s", [1.01, 257, 0.3])
+@pytest.mark.parametrize("op", sorted(_HALF_OPS))
+def test_scalar_arguments_with_half_tiles_round_as_pytorch(dtype, s, op):
+    x = torch.tensor([1.0, 1.0078125, 3.3, -7.1, 256, 300], dtype=dtype)
+    expected = _HALF_OPS[op](x, s)
+    for device in ("cpu", "kiln:0", "kiln:1"):  # the simulator, then compiled
+        out = torch.empty_like(x, device=device)
+        half_scalar_kernel[(1,)](out, x.to(device), s, OP=op, N=6)
+        assert torch.equal(out.cpu(), expected), (device, out.cpu(), expected)
+
+
+@kl.jit
+def wide_row_copy_kernel(out, x, BLOCK: kl.constexpr):
+    c = kl.arange(0, BLOCK)
+    kl.store(out, (c,), kl.load(x, (c,)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "kiln:0"])
+def test_an_index_tile_over_a_partition_is_not_held_to_scratch(device):
+    # the int64 kl.arange of 32,768 is 256 KiB but computed in place; the
+    # bf16 row it indexes (64 KiB) fits: this raised before
+    x = torch.randn(32768, device=device).bfloat16()
+    out = torch.empty_like(x)
+    wide_row_copy_kernel[(1,)](out, x, BLOCK=32768)
+    assert torch.equal(out.cpu(), x.cpu())
+    # a float32 row of 65,536 (256 KiB) is still over the limit
+    y = torch.randn(65536, device=device)
+    with pytest.raises(kl.KernelError, match=r"tile of shape \(65536,\) float32 needs 262144 bytes"):
+        wide_row_copy_kernel[(1,)](torch.empty_like(y), y, BLOCK=65536)

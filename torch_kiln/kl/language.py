@@ -48,8 +48,9 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def check_tile(shape, dtype, what: str = "tile") -> None:
-    """Raises KernelError if a tile of ``shape``/``dtype`` breaks the tile model."""
+def check_tile(shape, dtype, what: str = "tile", scratch: bool = True) -> None:
+    """Raises KernelError if a tile of ``shape``/``dtype`` breaks the tile
+    model (its dtype, partition dim and, if ``scratch``, its size)."""
     if dtype not in tile_model.DTYPES:
         raise error(f"{what} of shape {tuple(shape)} has dtype {_name(dtype)}, which the kiln "
                     f"device does not support; supported: {tile_model.supported_dtype_names()} "
@@ -62,16 +63,35 @@ def check_tile(shape, dtype, what: str = "tile") -> None:
                     f"tile_max_partition_dim): split it into tiles of at most "
                     f"{tile_model.MAX_PARTITION_DIM} rows")
     row = tile_model.bytes_per_partition(tuple(shape), dtype)
-    if row > tile_model.SCRATCH_BYTES_PER_PARTITION:
+    if scratch and row > tile_model.SCRATCH_BYTES_PER_PARTITION:
         raise error(f"{what} of shape {tuple(shape)} {_name(dtype)} needs {row} bytes of scratch "
                     f"per partition; the kiln tile model has "
                     f"{tile_model.SCRATCH_BYTES_PER_PARTITION} (torch.kiln.get_device_properties()."
                     "tile_scratch_bytes_per_partition): use smaller tiles")
 
 
+_INDEX_OPS = ("add", "sub", "mul", "expand_dims")
+
+
+def _is_index(kind, operands, dtype) -> bool:
+    """Whether an op's result is an index tile (Tile.index): kl.arange, or an
+    int64 ``+ - *`` or ``t[:, None]`` whose tile operands are index tiles or
+    scalars. Index tiles are computed in place by compiled kernels and are
+    not counted in scratch (docs/kernels.md, "The device's tile model"); a
+    tile the lowering does store is still counted in the program's peak."""
+    if kind == "arange":
+        return True
+    return (kind in _INDEX_OPS and dtype == torch.int64 and
+            all(not isinstance(o, Tile) or o.index or o.shape == () for o in operands))
+
+
 def _make(kind, operands, shape, dtype, **attrs) -> Tile:
-    check_tile(shape, dtype)
-    return backend().op(kind, operands, tuple(shape), dtype, attrs)
+    index = _is_index(kind, operands, dtype)
+    check_tile(shape, dtype, scratch=not index)
+    tile = backend().op(kind, operands, tuple(shape), dtype, attrs)
+    if tile is not None:
+        tile.index = index
+    return tile
 
 
 def _const_int(value, what: str) -> int:
@@ -96,7 +116,12 @@ def _operand(value, what="operand"):
 
 
 def _proto(value):
-    return torch.empty(1, dtype=value.dtype) if isinstance(value, Tile) else value
+    """A tensor standing for ``value`` in torch.result_type: a scalar tile
+    (shape ()) is a 0-dim tensor, so it promotes as PyTorch's 0-dim tensors
+    do (a float32 scalar with a bfloat16 tile gives bfloat16)."""
+    if not isinstance(value, Tile):
+        return value
+    return torch.empty((), dtype=value.dtype) if value.shape == () else torch.empty(1, dtype=value.dtype)
 
 
 def result_type(*values) -> torch.dtype:
@@ -106,7 +131,10 @@ def result_type(*values) -> torch.dtype:
         return torch.tensor(values[0]).dtype
     acc = _proto(tiles[0])
     for v in values:
-        acc = torch.empty(1, dtype=torch.result_type(acc, _proto(v)))
+        p = _proto(v)
+        # 0-dim only while every tile so far is: as one call over all operands
+        dims = acc.dim() > 0 or (isinstance(p, torch.Tensor) and p.dim() > 0)
+        acc = torch.empty((1,) if dims else (), dtype=torch.result_type(acc, p))
     return acc.dtype
 
 
@@ -150,13 +178,31 @@ def _half_scalar(kind: str, value, common):
     return torch.tensor(value, dtype=torch.float64).to(target).item()
 
 
+def _half_operand(kind: str, x, common):
+    """Operand ``x`` of a binary op whose common dtype is ``common``, as
+    PyTorch's CPU kernels use it when that is bfloat16 or float16 (Note [kl
+    Python numbers with half tiles]): a Python number or a scalar tile (a
+    scalar argument, a reduction's result) is rounded to ``common`` except in
+    ``*`` and ``/``, which take it at float32 precision; a tile of another
+    dtype with dims is converted to ``common`` (TensorIterator's cast)."""
+    if common not in _HALF:
+        return x
+    if not isinstance(x, Tile):
+        return _half_scalar(kind, x, common)
+    if x.dtype == common:
+        return x
+    if x.shape == () and kind in ("mul", "div"):
+        return cast(x, torch.float32)
+    return cast(x, common)
+
+
 def binary(kind: str, a, b) -> Tile:
     a, b = _operand(a), _operand(b)
     if not isinstance(a, Tile) and not isinstance(b, Tile):
         a = full((), a, result_type(a))
     shape = broadcast_shapes(_shape(a), _shape(b))
     common = result_type(a, b)
-    a, b = _half_scalar(kind, a, common), _half_scalar(kind, b, common)
+    a, b = _half_operand(kind, a, common), _half_operand(kind, b, common)
     if kind in _COMPARE:
         return _make(kind, [a, b], shape, torch.bool, common=common)
     if kind in _BITWISE:

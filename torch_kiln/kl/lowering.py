@@ -1410,10 +1410,21 @@ class _Emitter:
         var = loop.var.name
         # the bounds are read once, as Python's range reads them: a carried
         # scalar bound (n = n - 1 in the body) must not move the end
-        bound = self.fresh("kl_end")
+        # Counted in uint64 trips, not by stepping var past end: near the
+        # int64 maximum var += step wraps (-fwrapv) and `var < end` would hold
+        # for ever; Python's range (the simulator) has no such edge.
+        first, bound, trips = self.fresh("kl_first"), self.fresh("kl_end"), self.fresh("kl_trips")
+        step = op.attrs["step"]
+        t = self.fresh("kl_trip")
+        self.line(f"const int64_t {first} = {s};")
         self.line(f"const int64_t {bound} = {e};")
-        self.line(f"for (int64_t {var} = {s}; {var} < {bound}; {var} += {op.attrs['step']}) {{")
+        self.line(f"const uint64_t {trips} = {bound} > {first} ? (static_cast<uint64_t>({bound}) - "
+                  f"static_cast<uint64_t>({first}) - 1) / {step}u + 1 : 0;")
+        self.line(f"for (uint64_t {t} = 0; {t} < {trips}; ++{t}) {{")
         self.indent += 1
+        self.line(f"int64_t {var} = static_cast<int64_t>(static_cast<uint64_t>({first}) + "
+                  f"{t} * {step}u);")
+        self.line(f"(void){var};")
         self.emit_block(loop.body)
         for outer, inner in loop.carried:
             if outer.shape == ():

@@ -23,12 +23,16 @@ from torch_kiln.kl.errors import error
 
 
 class Tile:
-    __slots__ = ("shape", "dtype", "handle")
+    __slots__ = ("shape", "dtype", "handle", "index")
 
     def __init__(self, shape, dtype, handle):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.handle = handle
+        # an index tile: kl.arange, or int64 + - * of index tiles and
+        # scalars, or t[:, None] of one; computed in place, so not held to
+        # the scratch limit (language._make)
+        self.index = False
 
     @property
     def ndim(self) -> int:
