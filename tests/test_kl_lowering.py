@@ -619,6 +619,13 @@ def successor_mask_kernel(out, n, BLOCK: kl.constexpr):
     kl.store(out, (i,), kl.where(m + 1 > m, 1, 0))
 
 
+@kl.jit
+def descending_mask_kernel(out, n, BLOCK: kl.constexpr):
+    i = kl.arange(0, BLOCK)
+    m = n - i * 3
+    kl.store(out, (i,), kl.where(m - 1 < m, 1, 0))
+
+
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
 def test_a_mask_comparison_at_the_int64_limit(device):
     # inside int64 up to the last element: the simulator's mask, exactly
@@ -636,6 +643,14 @@ def test_a_mask_comparison_at_the_int64_limit(device):
                                            r"kl.gt: an operand of the mask's comparison leaves int64 "
                                            r"at element 3"):
         successor_mask_kernel[(1,)](out, 2**63 - 4, BLOCK=4)
+        torch.kiln.synchronize(device)
+    # the message names the first element that wraps, not the row's end
+    wide = torch.zeros(16, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match=r"leaves int64 at element 4 of a row"):
+        successor_mask_kernel[(1,)](wide, 2**63 - 5, BLOCK=16)
+        torch.kiln.synchronize(device)
+    with pytest.raises(RuntimeError, match=r"kl.lt: an operand .* leaves int64 at element 3 "):
+        descending_mask_kernel[(1,)](wide, -2**63 + 7, BLOCK=16)
         torch.kiln.synchronize(device)
     # later work runs (out itself was never written: kiln marks it so)
     again = torch.zeros(4, dtype=torch.int64, device=device)

@@ -275,22 +275,29 @@ inline void kl_in_bounds(int64_t j0_, int64_t c_, int64_t size, int64_t n, int64
 // wrapped mask need not be an interval at all. An operand outside int64 at
 // either end of the row (affine: then nowhere between) is an error naming
 // the kernel and the comparison's line, never a silently different mask.
+inline __int128 kl_floor_div(__int128 a, __int128 b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+// The first i in [0, n) where x0 + c * i leaves int64, or n if none.
+inline int64_t kl_first_outside_int64(int64_t x0, int64_t c, int64_t n) {
+  using I = __int128;
+  const I min = std::numeric_limits<int64_t>::min(), max = std::numeric_limits<int64_t>::max();
+  const I last = I(x0) + I(c) * (n - 1);
+  if (last >= min && last <= max) return n;  // x0 itself is an int64
+  const I first = c > 0 ? kl_floor_div(max - x0, c) + 1 : kl_floor_div(I(x0) - min, -I(c)) + 1;
+  return static_cast<int64_t>(first);
+}
 [[noreturn]] __attribute__((noinline, cold)) void kl_mask_overflow(const char* where, int64_t i) {
   throw kiln::Error(std::string(where) + ": an operand of the mask's comparison leaves int64 "
                     "at element " + std::to_string(i) + " of a row (it would wrap); kl "
                     "compares index expressions only inside int64");
 }
-inline __int128 kl_floor_div(__int128 a, __int128 b) {  // b > 0
-  return a >= 0 ? a / b : -((-a + b - 1) / b);
-}
 inline void kl_compare_interval(int64_t la, int64_t lc, int64_t ra, int64_t rc, bool or_equal,
                                 int64_t n, const char* where, int64_t* lo, int64_t* hi) {
   using I = __int128;
-  const I min = std::numeric_limits<int64_t>::min(), max = std::numeric_limits<int64_t>::max();
-  for (int64_t i : {int64_t(0), n - 1}) {
-    const I a = I(la) + I(lc) * i, b = I(ra) + I(rc) * i;
-    if (a < min || a > max || b < min || b > max) kl_mask_overflow(where, i);
-  }
+  const int64_t outside = std::min(kl_first_outside_int64(la, lc, n),
+                                   kl_first_outside_int64(ra, rc, n));
+  if (outside < n) kl_mask_overflow(where, outside);
   // a - b < 0;  a - b <= 0  <=>  a - b - 1 < 0
   const I j0 = I(la) - I(ra) - (or_equal ? 1 : 0), c = I(lc) - I(rc);
   I l = *lo, h = *hi;
