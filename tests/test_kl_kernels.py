@@ -124,3 +124,42 @@ def test_backward_through_a_compiled_kl_kernel_raises(fresh_compile):
     with pytest.raises(Exception, match=r"Trying to backward through kl::softmax_kernel "
                                         r".*no autograd formula was registered"):
         (torch.compile(kl_softmax.softmax)(x) + x).sum().backward()
+
+
+def _bad_inputs(device):
+    f32 = dict(device=device)
+    a, b5, bias = torch.ones(4, 5, **f32), torch.ones(5, 3, **f32), torch.ones(3, **f32)
+    x, w = torch.ones(4, 8, **f32), torch.ones(8, **f32)
+    mm, rms, sm = kl_matmul.matmul_bias_act, kl_rms_norm.rms_norm, kl_softmax.softmax
+    return [
+        (lambda: mm(a, torch.ones(6, 3, **f32), bias), ValueError, r"agree in K.*\(4, 5\).*\(6, 3\)"),
+        (lambda: mm(a, b5, torch.ones(7, **f32)), ValueError, r"bias must be \(N,\) = \(3,\), got \(7,\)"),
+        (lambda: mm(a[None], b5, bias), ValueError, r"a and b must be 2-D"),
+        (lambda: mm(a, b5, bias, 5), ValueError, r"activation must be one of .*got 5"),
+        (lambda: mm(a, b5, bias, True), ValueError, r"activation must be one of .*got True"),
+        (lambda: mm(a, b5.double(), bias), TypeError, r"one dtype of float32 or bfloat16.*float64"),
+        (lambda: mm(a.long(), b5.long(), bias.long()), TypeError, r"got torch.int64"),
+        (lambda: mm(a, b5, bias, block=(32, 0, 32)), ValueError, r"block must be three positive"),
+        (lambda: mm(a, [[1.0]], bias), TypeError, r"b must be a tensor, got list"),
+        (lambda: rms(x, torch.ones(9, **f32)), ValueError, r"weight must be \(features,\) = \(8,\), got \(9,\)"),
+        (lambda: rms(x, torch.ones(7, **f32)), ValueError, r"got \(7,\)"),
+        (lambda: rms(x[None], w), ValueError, r"x must be 2-D"),
+        (lambda: rms(x.long(), w.long()), TypeError, r"float32 or bfloat16, got torch.int64"),
+        (lambda: rms(x, w.bfloat16()), TypeError, r"got torch.float32 and torch.bfloat16"),
+        (lambda: rms(x, w, rows_per_program=0), ValueError, r"rows_per_program must be a positive int, got 0"),
+        (lambda: sm(x[None]), ValueError, r"x must be a 2-D tensor .*\(1, 4, 8\)"),
+        (lambda: sm(x[0]), ValueError, r"got \(8,\)"),
+        (lambda: sm(x.long()), TypeError, r"float32 or bfloat16, got torch.int64"),
+        (lambda: sm(x, 0), ValueError, r"rows_per_program must be a positive int, got 0"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_examples_reject_bad_input_before_launching(device):
+    # Each of these used to launch: a (4,5) @ (6,3) returned a (4,3) result,
+    # an unknown activation was ignored, a weight of 9 was cut to 8, one of 7
+    # failed only at synchronization, an int64 softmax truncated its result.
+    for call, error, message in _bad_inputs(device):
+        with pytest.raises(error, match=message):
+            call()
+    torch.kiln.synchronize()  # no launch left a device error behind

@@ -42,8 +42,45 @@ def matmul_bias_act_kernel(out, a, b, bias, M, N, K, BM: kl.constexpr, BN: kl.co
     kl.store(out, (rm[:, None], rn[None, :]), acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+ACTIVATIONS = {NONE: "none", RELU: "relu", GELU_TANH: "gelu (tanh)"}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check(a, b, bias, activation, block) -> None:
+    """The checks torch.addmm makes, raised before any launch (a bad shape
+    would otherwise read past a tensor and fail only at synchronization)."""
+    where = "kl matmul_bias_act"
+    for name, t in (("a", a), ("b", b), ("bias", bias)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{where}: a and b must be 2-D, got a {tuple(a.shape)} and b "
+                         f"{tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{where}: a (M, K) and b (K, N) must agree in K, got a "
+                         f"{tuple(a.shape)} and b {tuple(b.shape)}")
+    if tuple(bias.shape) != (b.shape[1],):
+        raise ValueError(f"{where}: bias must be (N,) = ({b.shape[1]},), got "
+                         f"{tuple(bias.shape)}")
+    if a.dtype not in DTYPES or b.dtype != a.dtype or bias.dtype != a.dtype:
+        raise TypeError(f"{where}: a, b and bias must have one dtype of float32 or bfloat16, "
+                        f"got {a.dtype}, {b.dtype}, {bias.dtype}")
+    if activation not in ACTIVATIONS or isinstance(activation, bool):
+        raise ValueError(f"{where}: activation must be one of "
+                         f"{', '.join(f'{k} ({v})' for k, v in ACTIVATIONS.items())}, "
+                         f"got {activation!r}")
+    if (not isinstance(block, (tuple, list)) or len(block) != 3 or
+            not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in block)):
+        raise ValueError(f"{where}: block must be three positive ints (BM, BN, BK), "
+                         f"got {block!r}")
+
+
 def matmul_bias_act(a, b, bias, activation: int = NONE, block=(32, 64, 32)):
-    """act(a @ b + bias), out in a's dtype."""
+    """act(a @ b + bias) for a (M, K), b (K, N), bias (N,) of one dtype
+    (float32 or bfloat16); out (M, N) in that dtype. activation is NONE, RELU
+    or GELU_TANH; block is (BM, BN, BK). Raises TypeError or ValueError naming
+    the argument for anything else."""
+    _check(a, b, bias, activation, block)
     M, K = a.shape
     N = b.shape[1]
     bm, bn, bk = block

@@ -32,10 +32,36 @@ def block_for(n_cols: int) -> int:
     return 1 << max(0, (n_cols - 1).bit_length())
 
 
+def _check(x, weight, rows_per_program) -> None:
+    """F.rms_norm's checks, raised before any launch: a weight of the wrong
+    length would otherwise be read past its end (an error only at
+    synchronization) or partly ignored."""
+    where = "kl rms_norm"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{where}: x must be 2-D (rows, features), got shape "
+                         f"{tuple(x.shape)}")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"{where}: weight must be (features,) = ({x.shape[1]},), got "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+        raise TypeError(f"{where}: x and weight must have one dtype of float32 or bfloat16, "
+                        f"got {x.dtype} and {weight.dtype}")
+    if (not isinstance(rows_per_program, int) or isinstance(rows_per_program, bool) or
+            rows_per_program < 1):
+        raise ValueError(f"{where}: rows_per_program must be a positive int, got "
+                         f"{rows_per_program!r}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              rows_per_program: int = 1) -> torch.Tensor:
-    """RMSNorm of a 2-D x (rows, features) with weight (features,), same dtype
-    as x. One row per program by default, as kl_softmax.softmax."""
+    """RMSNorm of a 2-D x (rows, features) with weight (features,), both
+    float32 or both bfloat16; the result has x's shape and dtype. One row per
+    program by default, as kl_softmax.softmax. Raises TypeError or ValueError
+    naming the argument for anything else."""
+    _check(x, weight, rows_per_program)
     rows, cols = x.shape
     out = torch.empty_like(x)
     rms_norm_kernel[(kl.cdiv(rows, rows_per_program),)](

@@ -30,9 +30,20 @@ def softmax_kernel(out, x, n_rows, n_cols, ROWS: kl.constexpr, BLOCK: kl.constex
 
 
 def softmax(x: torch.Tensor, rows_per_program: int = 1) -> torch.Tensor:
-    """Softmax over the last dim of a 2-D x, same dtype as x. One row per
-    program by default: its tiles then stay in a 32 KiB L1 data cache for
-    rows up to 2048 columns (docs/kernels.md, step 7 of the tutorial)."""
+    """Softmax over the last dim of a 2-D float32 or bfloat16 x, same shape and
+    dtype as x. One row per program by default: its tiles then stay in a
+    32 KiB L1 data cache for rows up to 2048 columns (docs/kernels.md, step 7
+    of the tutorial). Raises TypeError or ValueError naming the argument for
+    anything else."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"kl softmax: x must be a 2-D tensor (rows, columns), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"kl softmax: x must be float32 or bfloat16, got {x.dtype}")
+    if (not isinstance(rows_per_program, int) or isinstance(rows_per_program, bool) or
+            rows_per_program < 1):
+        raise ValueError(f"kl softmax: rows_per_program must be a positive int, got "
+                         f"{rows_per_program!r}")
     rows, cols = x.shape
     out = torch.empty_like(x)
     block = 1 << max(0, (cols - 1).bit_length())
