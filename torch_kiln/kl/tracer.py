@@ -53,6 +53,7 @@ class Tracer:
         self.name = name
         self.blocks = [ir.Block()]
         self.scope: list[int] = []
+        self.open_loops: list[_Range] = []  # kl.range loops whose body is being traced
         self._loop_ids = iter(range(1, 1 << 30))
         self._value_ids = iter(range(1 << 62))
         self.written: set[str] = set()
@@ -198,6 +199,7 @@ class _Range:
             self.op = ir.Op("for", None, [start, end], {"loop": self.loop, "step": self.step},
                             self.loc)
             t.blocks.append(self.loop.body)
+            t.open_loops.append(self)
             return Tile((), torch.int64, var)
         if self.stage == 1:
             self.stage = 2
@@ -244,6 +246,7 @@ class _Range:
                 now.handle = outer
             t.blocks.pop()
             t.scope.pop()
+            t.open_loops.pop()
             t.blocks[-1].ops.append(self.op)
             raise StopIteration
         raise StopIteration
@@ -350,9 +353,11 @@ def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
             else:
                 args.append(constexprs[p.name])
         fn(*args)
-        if len(tracer.blocks) != 1:
+        if tracer.open_loops:
+            # named at the loop's own line: the stack here is the launcher's
             raise error("a kl.range loop was left early (break or return inside it); kl.range "
-                        "loops must run their body to the end")
+                        "loops must run their body to the end (mask the rest of the work, or "
+                        "give the loop the trip count it needs)", tracer.open_loops[-1].loc)
     finally:
         state.backend, state.kernel = previous
     result = ir.Trace(name, params, dict(tensor_specs), dict(scalar_kinds), dict(constexprs),
