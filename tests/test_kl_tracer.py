@@ -297,8 +297,18 @@ def test_bad_calls(device):
         fill[(1,)](out, 1.0, BLOK=4)
     with pytest.raises(TypeError, match="kl kernel fill: argument 'out' must be a tensor"):
         fill[(1,)](3, 1.0, BLOCK=4)
-    with pytest.raises(TypeError, match="argument 'value' must be an int or float scalar"):
+    with pytest.raises(TypeError, match="argument 'value' is a tensor, but the kernel never "
+                                        "kl.loads or kl.stores it"):
         fill[(1,)](out, torch.ones(()), BLOCK=4)
+    with pytest.raises(TypeError, match="argument 'value' must be an int or float scalar"):
+        fill[(1,)](out, "1.0", BLOCK=4)
+    # ints past int64 name the argument (they raised a bare OverflowError)
+    for value in (2**63, 2**64, -2**63 - 1, -2**64):
+        with pytest.raises(ValueError, match=f"kl kernel fill: int argument 'value' is {value}; "
+                                             f"kl int scalars and constexprs are int64"):
+            fill[(1,)](out, value, BLOCK=4)
+    with pytest.raises(ValueError, match="int argument 'BLOCK' is 1180591620717411303424"):
+        fill[(1,)](out, 1.0, BLOCK=2**70)
     with pytest.raises(TypeError, match="kl.constexpr argument 'BLOCK' must be a Python int"):
         fill[(1,)](out, 1.0, BLOCK=torch.tensor(4))
     with pytest.raises(TypeError, match="kl kernel no_tensors has no tensor parameters"):
@@ -323,6 +333,11 @@ def test_bad_calls(device):
             fill[grid](out, 1.0, BLOCK=4)
     with pytest.raises(ValueError, match="must be non-negative ints, got bool"):
         fill[(True,)](out, 1.0, BLOCK=4)
+    # (these leaked the operator's schema, naming kl_grid0)
+    for grid in [("abc",), lambda meta: "abc", (None,), lambda meta: (1, [2])]:
+        with pytest.raises(ValueError, match=r"kl kernel fill: grid .* must be non-negative "
+                                             r"ints, got (str|NoneType|list)"):
+            fill[grid](out, 1.0, BLOCK=4)
     fill[(1,)](out, 2.5, BLOCK=4)
     assert torch.equal(out.cpu(), torch.full((4,), 2.5))
 

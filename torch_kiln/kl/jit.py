@@ -219,10 +219,18 @@ class JITFunction:
             if p.kind == "tensor" and not isinstance(v, torch.Tensor):
                 raise TypeError(f"{where}: argument '{p.name}' must be a tensor (the kernel "
                                 f"loads or stores it), got {type(v).__name__}")
-            if p.kind == "scalar" and (isinstance(v, (torch.Tensor, bool)) or
-                                       not isinstance(v, numbers.Real)):
+            if p.kind == "scalar" and isinstance(v, torch.Tensor):
+                raise TypeError(f"{where}: argument '{p.name}' is a tensor, but the kernel "
+                                f"never kl.loads or kl.stores it, so kl takes '{p.name}' as an "
+                                f"int or float scalar: use it in the kernel, or drop the "
+                                f"parameter")
+            if p.kind == "scalar" and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
                 raise TypeError(f"{where}: argument '{p.name}' must be an int or float scalar "
                                 f"(the kernel does not kl.load it), got {type(v).__name__}")
+            if p.kind != "tensor" and isinstance(v, numbers.Integral) and \
+                    not -2**63 <= int(v) < 2**63:
+                raise ValueError(f"{where}: int argument '{p.name}' is {int(v)}; kl int "
+                                 f"scalars and constexprs are int64 ({-2**63} to {2**63 - 1})")
             if p.kind == "constexpr" and not isinstance(v, (bool, int, float)):
                 raise TypeError(f"{where}: kl.constexpr argument '{p.name}' must be a Python "
                                 f"int, float or bool, got {type(v).__name__}")
@@ -258,8 +266,8 @@ class JITFunction:
         0-dim integer tensor converts), only floats, bools and negative ints
         are refused here; the operator's implementation checks the rest."""
         for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
-            if traced and not isinstance(g, (bool, float, int, torch.SymFloat)):
-                continue
+            if traced and isinstance(g, (torch.SymInt, torch.Tensor)):
+                continue  # a size under torch.compile; the implementation checks it
             if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
                 raise ValueError(f"kl kernel {self.fn.__name__}: grid {grid} must be "
                                  f"non-negative ints, got {type(g).__name__} {g!r}")
