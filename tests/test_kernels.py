@@ -227,6 +227,33 @@ def test_cpp_softmax_and_attention_are_one_node_under_compile():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("kiln_device", ["kiln:0", "kiln:1"])
+def test_cpp_examples_take_size_one_dims_of_any_stride(kiln_device):
+    # PyTorch calls a tensor contiguous whatever the stride of a size-1 dim,
+    # so .contiguous() leaves it: a (2, 1, 1000) q from a transpose has
+    # stride(1) == 1, which the kernels' stride checks refused ("needs
+    # contiguous (seq, head_dim) rows") until they used is_contiguous().
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1000, 1, generator=g).transpose(1, 2)
+    assert q.is_contiguous() and q.stride(1) == 1
+    out = ca.causal_attention(*(t.to(kiln_device) for t in (q, q * 2, q * 3)))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q * 2, q * 3, is_causal=True)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=1e-4)
+    x = torch.randn(1, 5, generator=g).t()  # (5, 1), stride(1) == 5
+    torch.testing.assert_close(sm.softmax(x.to(kiln_device)).cpu(), torch.softmax(x, -1))
+    weight = torch.randn(3, generator=g)[::3]  # (1,), stride 3
+    out = rn.rms_norm(x.to(kiln_device), weight.to(kiln_device), 1e-6)
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.rms_norm(x, (1,), weight, 1e-6))
+    param, grad = torch.randn(2, generator=g)[::2], torch.randn(1, generator=g)
+    kiln_param = param.to(kiln_device)
+    moments = [torch.zeros(4, device=kiln_device)[::4] for _ in range(2)]  # (1,), stride 4
+    adamw.adamw_step_(kiln_param, grad.to(kiln_device), *moments, 0.1, 0.9, 0.999, 1e-8, 0.0, 1)
+    reference, ref_moments = param.clone(), [torch.zeros(1), torch.zeros(1)]
+    adamw.adamw_step_(reference, grad, *ref_moments, 0.1, 0.9, 0.999, 1e-8, 0.0, 1)
+    torch.testing.assert_close(kiln_param.cpu(), reference)
+    torch.kiln.synchronize()
+
+
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1", "cpu"])
 def test_fused_adamw_trains_like_adamw(device):
     import copy

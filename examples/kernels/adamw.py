@@ -47,8 +47,8 @@ KILN_KERNEL(adamw_step) {
   const int64_t n = param.size(0);
   KILN_KERNEL_CHECK(grad.size(0) == n && exp_avg.size(0) == n && exp_avg_sq.size(0) == n,
                     "param, grad and the moments must have the same number of elements");
-  KILN_KERNEL_CHECK(param.stride(0) == 1 && grad.stride(0) == 1 && exp_avg.stride(0) == 1 &&
-                    exp_avg_sq.stride(0) == 1, "adamw_step needs contiguous tensors");
+  KILN_KERNEL_CHECK(param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() &&
+                    exp_avg_sq.is_contiguous(), "adamw_step needs contiguous tensors");
   const float decay = 1.0f - lr * weight_decay;
   const float w = 1.0f - beta1;           // lerp weight (< 0.5: self + w * (end - self))
   const float one_minus_beta2 = 1.0f - beta2;

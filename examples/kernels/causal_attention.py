@@ -57,8 +57,8 @@ void transpose(const float* src, int64_t ld, int64_t m, int64_t n, float* dst) {
 }
 }  // namespace
 
-// out, q, k, v: (bh, seq, d), rows contiguous (unit stride in d, stride d
-// between rows). block_m, block_n: queries and keys per block.
+// out, q, k, v: contiguous (bh, seq, d). block_m, block_n: queries and keys
+// per block.
 KILN_KERNEL(causal_attention_forward) {
   auto out = ctx.tensor<float, 3>(0);
   auto q = ctx.tensor<const float, 3>(1);
@@ -66,12 +66,10 @@ KILN_KERNEL(causal_attention_forward) {
   auto v = ctx.tensor<const float, 3>(3);
   const int64_t bm = ctx.integer(4), bn = ctx.integer(5);
   const int64_t bh = q.size(0), seq = q.size(1), d = q.size(2);
-  for (const auto* t : {&q, &k, &v}) {
-    KILN_KERNEL_CHECK(t->stride(2) == 1 && t->stride(1) == d,
-                      "causal_attention_forward needs contiguous (seq, head_dim) rows");
-  }
-  KILN_KERNEL_CHECK(out.stride(2) == 1 && out.stride(1) == d,
-                    "causal_attention_forward needs a contiguous output");
+  // is_contiguous, as PyTorch's, ignores the strides of size-1 dims (a
+  // (bh, 1, d) tensor may have any stride(1))
+  KILN_KERNEL_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                    out.is_contiguous(), "causal_attention_forward needs contiguous tensors");
   KILN_KERNEL_CHECK(bm >= 1 && bn >= 1, "block sizes must be positive, got ", bm, " and ", bn);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float inf = std::numeric_limits<float>::infinity();

@@ -49,8 +49,9 @@ KILN_KERNEL(rms_norm_forward) {
   const float eps = static_cast<float>(ctx.scalar(4));
   const int64_t cols = x.size(1);
   KILN_KERNEL_CHECK(weight.size(0) == cols, "weight has ", weight.size(0), " features, x has ", cols);
-  KILN_KERNEL_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && weight.stride(0) == 1,
-                    "rms_norm_forward needs rows with unit stride");
+  // is_contiguous, as PyTorch's, ignores the strides of size-1 dims
+  KILN_KERNEL_CHECK(x.is_contiguous() && y.is_contiguous() && weight.is_contiguous(),
+                    "rms_norm_forward needs contiguous tensors");
   ctx.parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = &x(r, 0);
@@ -81,8 +82,8 @@ KILN_KERNEL(rms_norm_backward) {
   auto weight = ctx.tensor<const float, 1>(4);
   auto rstd = ctx.tensor<const float, 1>(5);
   const int64_t rows = x.size(0), cols = x.size(1);
-  KILN_KERNEL_CHECK(x.stride(1) == 1 && grad_y.stride(1) == 1 && grad_x.stride(1) == 1,
-                    "rms_norm_backward needs rows with unit stride");
+  KILN_KERNEL_CHECK(x.is_contiguous() && grad_y.is_contiguous() && grad_x.is_contiguous(),
+                    "rms_norm_backward needs contiguous tensors");
   const float* w = weight.data();
   ctx.parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {

@@ -32,13 +32,14 @@ using Vec = at::vec::Vectorized<float>;
 }  // namespace
 
 // out[r, :] = exp(x[r, :] - max) / sum(exp(x[r, :] - max)); out and x are
-// (rows, cols) with unit column stride.
+// contiguous (rows, cols).
 KILN_KERNEL(softmax_forward) {
   auto out = ctx.tensor<float, 2>(0);
   auto x = ctx.tensor<const float, 2>(1);
   const int64_t rows = x.size(0), cols = x.size(1);
-  KILN_KERNEL_CHECK(x.stride(1) == 1 && out.stride(1) == 1,
-                    "softmax_forward needs rows with unit stride");
+  // is_contiguous, as PyTorch's, ignores the strides of size-1 dims
+  KILN_KERNEL_CHECK(x.is_contiguous() && out.is_contiguous(),
+                    "softmax_forward needs contiguous tensors");
   const bool streaming = rows * cols * int64_t(sizeof(float)) >= kiln::kStreamingBytes;
   ctx.parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
