@@ -18,7 +18,9 @@ FlashAttention-2's Algorithm 2) use to recompute the probabilities.
 ``causal_attention`` is differentiable: it calls the operator
 ``kilnex::kl_causal_attention`` (returns out and L), whose autograd formula
 calls ``kilnex::kl_causal_attention_backward`` (the three backward kernels).
-Both run on kiln tensors (compiled kl kernels, tasks on the current stream)
+Both are ``kl.op``s (kiln's ``torch.library.triton_op``): each Python
+function allocating outputs and launching kernels is one operator, and its
+own fake implementation. Both run on kiln tensors (compiled kl kernels, tasks on the current stream)
 and CPU tensors (the kl simulator), and are one graph node each under
 torch.compile(fullgraph=True).
 """
@@ -30,7 +32,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-import torch_kiln.kernels as kernels
 import torch_kiln.kl as kl
 from torch_kiln.kl import tile_model
 
@@ -97,40 +98,32 @@ def _check(q, k, v, block) -> None:
                          f"{tile_model.MAX_PARTITION_DIM}, got {block!r}")
 
 
-def _forward_fake(q, k, v, block_m, block_n):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
-
-
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
-             block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+@kl.op("kilnex::kl_causal_attention", mutates_args=())
+def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
+                             block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel on q, k, v of shape (batch * heads, seq, head_dim):
+    (out, same shape and dtype as q; lse, float32 (batch * heads, seq))."""
     bh, seq, d = q.shape
-    out, lse = _forward_fake(q, k, v, block_m, block_n)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     attention_kernel[(kl.cdiv(seq, block_m), bh)](out, lse, q, k, v, seq, 1.0 / math.sqrt(d),
                                                   BM=block_m, BN=block_n, D=d)
     return out, lse
 
 
-@kernels.custom_op("kilnex::kl_causal_attention", mutates_args=(), cpu=_forward,
-                   fake=_forward_fake)
-def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
-                             block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel on q, k, v of shape (batch * heads, seq, head_dim):
-    (out, same shape and dtype as q; lse, float32 (batch * heads, seq))."""
-    return _forward(q, k, v, block_m, block_n)
-
-
-def _backward_fake(grad_out, q, k, v, out, lse, block_m, block_n):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-
-
-def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, block_m: int,
-              block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@kl.op("kilnex::kl_causal_attention_backward", mutates_args=())
+def causal_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, block_m: int,
+                              block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_q, grad_k, grad_v) of causal attention, shapes and dtypes of q,
+    k, v, from the forward's out and lse: the backward kernels of
+    kl_attention_backward.py (delta, then dK/dV per key block, then dQ per
+    query block), in stream order."""
     bwd = kl_attention_backward
     bh, seq, d = q.shape
     scale = 1.0 / math.sqrt(d)
-    grad_q, grad_k, grad_v = _backward_fake(grad_out, q, k, v, out, lse, block_m, block_n)
+    grad_q, grad_k, grad_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                              for t in (q, k, v))
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     bwd.attention_backward_delta_kernel[(kl.cdiv(seq, block_m), bh)](
         delta, out, grad_out, seq, BM=block_m, D=d)
@@ -139,18 +132,6 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     bwd.attention_backward_dq_kernel[(kl.cdiv(seq, block_m), bh)](
         grad_q, q, k, v, grad_out, lse, delta, seq, scale, BM=block_m, BN=block_n, D=d)
     return grad_q, grad_k, grad_v
-
-
-@kernels.custom_op("kilnex::kl_causal_attention_backward", mutates_args=(), cpu=_backward,
-                   fake=_backward_fake)
-def causal_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, block_m: int,
-                              block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_q, grad_k, grad_v) of causal attention, shapes and dtypes of q,
-    k, v, from the forward's out and lse: the backward kernels of
-    kl_attention_backward.py (delta, then dK/dV per key block, then dQ per
-    query block), in stream order."""
-    return _backward(grad_out, q, k, v, out, lse, block_m, block_n)
 
 
 def _setup_context(ctx, inputs, output):

@@ -18,11 +18,12 @@ operators. Triton's and NKI's vocabulary::
 
 Modules: language.py (the functions), tile.py (Tile, TensorArg),
 tile_model.py (the device's limits), tracer.py, simulator.py, lowering.py,
-jit.py, errors.py. See docs/kernels.md ("The kl tile language").
+jit.py, op.py (kl.op: kernels as one differentiable operator), errors.py. See docs/kernels.md ("The kl tile language").
 """
 
 from torch_kiln.kl.errors import KernelError
 from torch_kiln.kl.jit import JITFunction, cdiv, jit
+from torch_kiln.kl.op import op
 from torch_kiln.kl.language import (abs, arange, bfloat16, bool_, broadcast_to, cast,  # noqa: A004
                                     constexpr, dot, empty, erf, exp, fast_exp, float16, float32, floor,
                                     full, int32, int64, load, log, matmul, max, maximum, min,
@@ -35,6 +36,6 @@ from torch_kiln.kl import tile_model
 __all__ = ["JITFunction", "KernelError", "TensorArg", "Tile", "abs", "arange", "bfloat16",
            "bool_", "broadcast_to", "cast", "cdiv", "constexpr", "dot", "empty", "erf", "exp",
            "fast_exp", "float16", "float32", "floor", "full", "int32", "int64", "jit", "load",
-           "log", "matmul", "max", "maximum", "min", "minimum", "num_programs", "program_id", "range",
+           "log", "matmul", "max", "maximum", "min", "minimum", "num_programs", "op", "program_id", "range",
            "rsqrt", "sigmoid", "sqrt", "static_range", "store", "sum", "tanh", "tile_model",
            "transpose", "where", "zeros"]

@@ -32,6 +32,7 @@ argument.
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import itertools
 import numbers
@@ -51,6 +52,26 @@ _LIBRARY = None
 _NAMES: set[str] = set()
 _LOCK = threading.Lock()
 _COMPILE_STATS = {"traces": 0, "libraries_loaded": 0}  # per process, for tests
+
+
+class _FakeRun(threading.local):
+    active = False  # set while kl.op runs a function as its fake implementation
+
+
+_FAKE_RUN = _FakeRun()
+
+
+@contextlib.contextmanager
+def launches_skipped():
+    """Kernel launches in this thread bind their arguments and return without
+    running (kl.op's fake implementation: shapes come from the function's
+    allocations, and a constexpr computed from a symbolic size need not be
+    known)."""
+    previous, _FAKE_RUN.active = _FAKE_RUN.active, True
+    try:
+        yield
+    finally:
+        _FAKE_RUN.active = previous
 # Appended to part 1's flags (-O3 ...): -O2 with the vectoriser's dynamic cost
 # model vectorises the same row loops; -O3 takes about 5x longer to build a
 # generated kernel (hundreds of small loops) for no measured gain.
@@ -224,7 +245,8 @@ class JITFunction:
                                 f"never kl.loads or kl.stores it, so kl takes '{p.name}' as an "
                                 f"int or float scalar: use it in the kernel, or drop the "
                                 f"parameter")
-            if p.kind == "scalar" and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+            if p.kind == "scalar" and (isinstance(v, bool) or not isinstance(
+                    v, (numbers.Real, torch.SymInt, torch.SymFloat))):  # Sym*: under compile
                 raise TypeError(f"{where}: argument '{p.name}' must be an int or float scalar "
                                 f"(the kernel does not kl.load it), got {type(v).__name__}")
             if p.kind != "tensor" and isinstance(v, numbers.Integral) and \
@@ -237,6 +259,8 @@ class JITFunction:
 
     def _launch(self, grid, args, kwargs):
         values = self._bind(args, kwargs)
+        if _FAKE_RUN.active:
+            return
         self._check_kinds(values)
         if not any(p.kind == "tensor" for p in self.params):
             raise TypeError(f"kl kernel {self.fn.__name__} has no tensor parameters: a kernel "
