@@ -18,7 +18,8 @@ operators. Triton's and NKI's vocabulary::
 
 Modules: language.py (the functions), tile.py (Tile, TensorArg),
 tile_model.py (the device's limits), tracer.py, simulator.py, lowering.py,
-jit.py, op.py (kl.op: kernels as one differentiable operator), errors.py. See docs/kernels.md ("The kl tile language").
+jit.py, op.py (kl.op: kernels as one differentiable operator), errors.py.
+See docs/kernels.md ("The kl tile language").
 """
 
 from torch_kiln.kl.errors import KernelError
@@ -36,6 +37,6 @@ from torch_kiln.kl import tile_model
 __all__ = ["JITFunction", "KernelError", "TensorArg", "Tile", "abs", "arange", "bfloat16",
            "bool_", "broadcast_to", "cast", "cdiv", "constexpr", "dot", "empty", "erf", "exp",
            "fast_exp", "float16", "float32", "floor", "full", "int32", "int64", "jit", "load",
-           "log", "matmul", "max", "maximum", "min", "minimum", "num_programs", "op", "program_id", "range",
-           "rsqrt", "sigmoid", "sqrt", "static_range", "store", "sum", "tanh", "tile_model",
+           "log", "matmul", "max", "maximum", "min", "minimum", "num_programs", "op", "program_id",
+           "range", "rsqrt", "sigmoid", "sqrt", "static_range", "store", "sum", "tanh", "tile_model",
            "transpose", "where", "zeros"]

@@ -72,6 +72,8 @@ def launches_skipped():
         yield
     finally:
         _FAKE_RUN.active = previous
+
+
 # Appended to part 1's flags (-O3 ...): -O2 with the vectoriser's dynamic cost
 # model vectorises the same row loops; -O3 takes about 5x longer to build a
 # generated kernel (hundreds of small loops) for no measured gain.

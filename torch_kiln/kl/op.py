@@ -21,10 +21,10 @@ fake implementation too: under ``FakeTensorMode`` (torch.compile, opcheck,
 meta shape propagation) the same function runs on fake tensors, its
 allocations give the output shapes and its kernel launches only bind their
 arguments (``jit.launches_skipped``: a constexpr computed from a symbolic
-size need not be known). So
-the function must allocate every output with torch factory functions on the
-inputs' device and return tensors it allocated (not inputs or views of
-them), as any ``torch.library.custom_op`` must. The result is the
+size need not be known). So the function must allocate every output with
+torch factory functions on the inputs' device and return tensors it
+allocated (not inputs or views of them), as any ``torch.library.custom_op``
+must. The result is the
 ``torch.library.CustomOpDef``: ``register_autograd`` gives it a backward
 (usually another ``kl.op`` launching the backward kernels),
 ``register_kernel`` may replace the CPU implementation, and
