@@ -136,6 +136,7 @@ def test_a_constexpr_from_a_size_under_dynamic_shapes(fresh_compile):
 def test_side_stream_orders_the_op_with_the_streams_work():
     s = torch.kiln.Stream()
     x = torch.randn(1 << 16, device="kiln")
+    s.wait_stream(torch.kiln.current_stream())  # x is made on the default stream
     with torch.kiln.stream(s):
         y = x * 2
         out = scaled_tanh(y, 1.5)
@@ -143,10 +144,45 @@ def test_side_stream_orders_the_op_with_the_streams_work():
     torch.testing.assert_close(out.cpu(), reference(x.cpu() * 2, 1.5))
 
 
-@pytest.mark.parametrize("qualname", ["noseparator", "a::b::c", "::name", "ns::", 3])
+# "1x::y" and "ns::has space" reached torch's schema parser (an unclear
+# error, and every later torch.compile in the process failed)
+@pytest.mark.parametrize("qualname", ["noseparator", "a::b::c", "::name", "ns::", 3, "1x::y",
+                                      "ns::has space", "ns::a.b"])
 def test_bad_qualname(qualname):
-    with pytest.raises(ValueError, match=r"kl.op: qualname must be 'namespace::name', got"):
+    with pytest.raises(ValueError, match=r"kl.op: qualname must be 'namespace::name', two "
+                                         r"Python identifiers, got"):
         kl.op(qualname, mutates_args=())
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_name_defined_by_another_function_is_refused():
+    # torch.library.custom_op lets a second function take the name, and the
+    # first one's handle then silently runs the second
+    with pytest.raises(ValueError, match=r"kl.op: operator kltest::scaled_tanh is already "
+                                         r"defined \(by another function\); registering _double"):
+        kl.op("kltest::scaled_tanh", mutates_args=())(_double)
+    with pytest.raises(ValueError, match=r"operator aten::add is already defined"):
+        kl.op("aten::add", mutates_args=())(_double)
+    x = torch.randn(5)
+    torch.testing.assert_close(scaled_tanh(x, 1.5), reference(x, 1.5))  # still the first
+
+
+def _define_again():
+    @kl.op("kltest::defined_twice", mutates_args=())
+    def defined_twice(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    return defined_twice
+
+
+def test_the_same_definition_run_again_replaces_itself():
+    # a module reloaded or imported under two names, a notebook cell run again
+    _define_again()
+    again = _define_again()
+    torch.testing.assert_close(again(torch.zeros(2)), torch.ones(2))
 
 
 def test_decorating_a_non_function():

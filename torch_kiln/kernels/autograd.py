@@ -23,11 +23,15 @@ import torch
 
 
 def _message(name: str) -> str:
+    if name.startswith("kl::"):  # a kl kernel: kl.op is its operator wrapper
+        wrap, section = "torch_kiln.kl.op", "Autograd for kl kernels"
+    else:
+        wrap, section = "torch_kiln.kernels.custom_op", "Autograd"
     return (f"Trying to backward through {name} (a custom kiln kernel) but no autograd formula "
-            "was registered. Wrap the kernel in an operator with torch_kiln.kernels.custom_op "
-            "(a function that allocates and returns its outputs) and use register_autograd to "
-            "add one, or launch the kernel under torch.no_grad() if no gradient should flow "
-            "through it (docs/kernels.md, 'Autograd').")
+            f"was registered. Wrap the kernel in an operator with {wrap} (a function that "
+            "allocates and returns its outputs) and use register_autograd to add one, or launch "
+            "the kernel under torch.no_grad() if no gradient should flow through it "
+            f"(docs/kernels.md, '{section}').")
 
 
 class _NoAutogradFormula(torch.autograd.Function):

@@ -28,6 +28,20 @@ _DESCRIPTION = "a custom kiln kernel (torch_kiln.kernels)"
 _TENSOR, _FLOAT, _INT = 0, 1, 2
 
 
+def check_written(where: str, value: torch.Tensor) -> None:
+    """RuntimeError, starting with ``where``, if a kernel may not write
+    ``value``: a leaf that requires grad (with grad mode on), or a tensor
+    with internal overlap (expanded, stride 0). Shared by part 1's launcher
+    and the kl simulator, so every mode refuses the same tensors alike."""
+    if value.requires_grad and torch.is_grad_enabled() and value.is_leaf:
+        raise RuntimeError(f"{where} is written by the kernel but is a leaf tensor that "
+                           "requires grad")
+    if torch._debug_has_internal_overlap(value) == 1:
+        raise RuntimeError(f"{where} is written by the kernel, but more than one of its "
+                           "elements refers to a single memory location (an expanded, "
+                           "stride-0 tensor); clone() it first")
+
+
 class Kernel:
     """A loaded kernel; call it with its signature's arguments, in order."""
 
@@ -138,13 +152,8 @@ class Kernel:
                              f"{tuple(value.shape)}), expected {argument.dim}")
         if value.dim() > 8:
             raise ValueError(f"{where} has {value.dim()} dimensions; kiln kernels take at most 8")
-        if argument.written and value.requires_grad and torch.is_grad_enabled() and value.is_leaf:
-            raise RuntimeError(f"{where} is written by the kernel but is a leaf tensor that "
-                               "requires grad")
-        if argument.written and torch._debug_has_internal_overlap(value) == 1:
-            raise RuntimeError(f"{where} is written by the kernel, but more than one of its "
-                               "elements refers to a single memory location (an expanded, "
-                               "stride-0 tensor); clone() it first")
+        if argument.written:
+            check_written(where, value)
 
     def _launcher(self, letters: str):
         launcher = self._launchers.get(letters)

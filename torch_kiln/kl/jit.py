@@ -43,6 +43,7 @@ import threading
 import torch
 
 from torch_kiln.kernels.autograd import autograd_kernel, guard_backward
+from torch_kiln.kernels.launch import check_written
 from torch_kiln.kernels.library import alias_names
 from torch_kiln.kl import ir, lowering, tile_model, tracer
 from torch_kiln.kl.errors import KernelError
@@ -137,6 +138,9 @@ def _analyse(fn) -> tuple[set[str], set[str]]:
 # and z dimensions (CUDA C++ Programming Guide, "Features and Technical
 # Specifications", maximum x-/y-/z-dimension of a grid), as Triton has them.
 MAX_GRID = (2**31 - 1, 65535, 65535)
+# The operator's last three arguments: the grid (reserved parameter names).
+_GRID_PARAMS = ("kl_grid0", "kl_grid1", "kl_grid2")
+
 
 class JITFunction:
     """A kl kernel; launch with ``kernel[grid](*args)``. ``op`` is its
@@ -144,6 +148,17 @@ class JITFunction:
     for those arguments (for reading and debugging)."""
 
     def __init__(self, fn, simulate: bool = False):
+        if not inspect.isfunction(fn):
+            raise TypeError(f"kl.jit decorates a Python function (def), got "
+                            f"{type(fn).__name__} {fn!r}")
+        if not fn.__name__.isidentifier():
+            raise TypeError(f"kl.jit: a kernel must be a function defined with def (its name "
+                            f"names the operator torch.ops.kl.<name>), got {fn.__name__!r}")
+        for name in inspect.signature(fn).parameters:
+            if name in _GRID_PARAMS:
+                raise ValueError(f"kl.jit {fn.__name__}: parameter name '{name}' is reserved "
+                                 f"({', '.join(_GRID_PARAMS)} carry the grid in the kernel's "
+                                 "operator); rename it")
         self.fn = fn
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
@@ -189,7 +204,7 @@ class JITFunction:
                              else f"Tensor {p.name}")
             else:
                 parts.append(f"Scalar {p.name}")
-        parts += ["SymInt kl_grid0", "SymInt kl_grid1", "SymInt kl_grid2"]
+        parts += [f"SymInt {name}" for name in _GRID_PARAMS]
         lib = _kl_library()
         lib.define(f"{name}({', '.join(parts)}) -> ()")
         lib.impl(name, self._kiln_impl, "PrivateUse1")
@@ -276,7 +291,18 @@ class JITFunction:
                 # takes Python numbers only.
                 values[p.name] = int(v) if isinstance(v, numbers.Integral) else float(v)
         if callable(grid):
-            grid = grid(values)
+            try:
+                grid = grid(values)
+            except Exception as e:
+                message = (f"kl kernel {self.fn.__name__}: the grid function raised "
+                           f"{type(e).__name__}: {e} (it is called with one argument, a dict "
+                           f"of the launch's arguments by parameter name, and returns 1 to 3 "
+                           f"ints)")
+                try:
+                    wrapped = type(e)(message)  # the same type, for except clauses
+                except Exception:
+                    wrapped = RuntimeError(message)
+                raise wrapped from e
         if not isinstance(grid, (tuple, list)):
             grid = (grid,)
         if not 1 <= len(grid) <= 3:
@@ -371,6 +397,9 @@ class JITFunction:
         cpu_values, copies = dict(values), []
         for p in self.params:
             v = values[p.name]
+            if p.kind == "tensor" and p.written:
+                # the compiled path's checks, in its words
+                check_written(f"kiln kernel kl::{self.name}: argument '{p.name}'", v)
             if p.kind == "tensor" and v.device.type != "cpu":
                 cpu_values[p.name] = v.cpu()
                 if p.written:

@@ -207,7 +207,8 @@ def binary(kind: str, a, b) -> Tile:
         return _make(kind, [a, b], shape, torch.bool, common=common)
     if kind in _BITWISE:
         if common not in _INTEGRAL:
-            raise error(f"'{kind}' needs bool or integer tiles, got {_describe(a)} and "
+            symbol = {"and": "&", "or": "|", "xor": "^"}.get(kind, kind)
+            raise error(f"'{symbol}' needs bool or integer tiles, got {_describe(a)} and "
                         f"{_describe(b)}")
         return _make(kind, [a, b], shape, common, common=common)
     if kind in ("floordiv", "mod") and common not in (torch.int32, torch.int64):
@@ -421,6 +422,15 @@ def full(shape, value, dtype=torch.float32) -> Tile:
         return v if shape == () else broadcast_to(v, shape)
     if not isinstance(value, (bool, int, float)):
         raise error(f"kl.full value must be a number, got {type(value).__name__}")
+    check_tile(shape, dtype, "kl.full")  # a dtype kiln supports, before torch.full sees it
+    try:
+        # PyTorch's rule, as torch.full: a number the dtype cannot hold (nan
+        # or 1e30 as int64, 2**31 as int32, 1e5 as float16) raises. Compiled
+        # code converted it to junk (nan -> 0), the simulator raised.
+        torch.full((), value, dtype=dtype)
+    except (RuntimeError, OverflowError) as e:
+        raise error(f"kl.full value {value!r} cannot be represented as "
+                    f"{_name(dtype)} ({e})") from None
     return _make("full", [], shape, dtype, value=value)
 
 

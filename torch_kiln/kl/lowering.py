@@ -127,6 +127,17 @@ inline KlVec kl_fast_exp(const KlVec& x) {
   return KlVec::blendv(r, x.exp(), slow);
 }
 #endif
+// kl.erf on float32 vectors: Sleef's erf with a 1-ULP bound (the Sleef
+// build inside libtorch_cpu, which Vectorized<float>::exp also calls). Not
+// Vectorized<float>::erf: that is Abramowitz and Stegun's 7.1.26 polynomial,
+// accurate to 1.5e-7 absolute only (erf(1e-7) gave 0, erf(1e-6) 5.6% high).
+#if defined(CPU_CAPABILITY_AVX512)
+inline KlVec kl_erf(const KlVec& x) { return KlVec(Sleef_erff16_u10(x)); }
+#elif defined(CPU_CAPABILITY_AVX2)
+inline KlVec kl_erf(const KlVec& x) { return KlVec(Sleef_erff8_u10(x)); }
+#else
+inline KlVec kl_erf(const KlVec& x) { return x.map(std::erf); }
+#endif
 // dst (n x m) = the transpose of src (m x n), both row-major and contiguous:
 // ATen's SIMD transposes (at::vec::transpose_mxn, what Inductor's C++
 // kernels call) on blocks, plain copies at the edges; only data moves, so
@@ -803,7 +814,7 @@ class _Emitter:
                    "div": "({a} / {b})", "maximum": "at::vec::maximum({a}, {b})",
                    "minimum": "at::vec::minimum({a}, {b})"}
     _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "kl_fast_exp({a})", "log": "{a}.log()",
-                  "sqrt": "{a}.sqrt()", "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "{a}.erf()",
+                  "sqrt": "{a}.sqrt()", "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "kl_erf({a})",
                   "floor": "{a}.floor()", "abs": "{a}.abs()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
 

@@ -30,19 +30,52 @@ must. The result is the
 ``register_kernel`` may replace the CPU implementation, and
 ``torch.compile`` keeps it as one node (``fullgraph=True`` works).
 
-Errors: ``ValueError`` for a qualname that is not ``"namespace::name"``;
-``torch.library.custom_op``'s own errors (a missing type annotation, a name
-already registered) unchanged.
+Errors: ``ValueError`` for a qualname that is not ``"namespace::name"`` of
+two Python identifiers, or that names an operator already defined by another
+function (``torch.library.custom_op`` would silently replace the first; the
+same function defined again — a module reloaded or imported under two
+names, a notebook cell run again — replaces it, as there);
+``TypeError`` for decorating a non-function; ``torch.library.custom_op``'s
+own errors (a missing type annotation) unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
 
 from torch_kiln.kl.jit import launches_skipped
+
+
+# qualname -> (module, file, qualname) of the function kl.op registered
+_REGISTERED: dict[str, tuple[str, str, str]] = {}
+
+
+def _defined(qualname: str) -> bool:
+    """Whether an operator ``qualname`` (any overload: aten::add has no
+    default one) exists."""
+    namespace, name = qualname.split("::")
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _redefinition(qualname: str, fn: Callable) -> bool:
+    """Whether ``fn`` is the definition kl.op registered as ``qualname``
+    again: the same function name from the same module or file (a module
+    imported under two names, reloaded, or a notebook cell run again),
+    which may replace it, as torch.library.custom_op would."""
+    previous = _REGISTERED.get(qualname)
+    if previous is None:
+        return False
+    module, filename, name = previous
+    return name == fn.__qualname__ and (module == fn.__module__ or
+                                        filename == fn.__code__.co_filename)
 
 
 def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None = None):
@@ -52,13 +85,21 @@ def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None =
     (``mutates_args=()`` for a functional operator, which autograd needs).
     Returns the ``torch.library.CustomOpDef``."""
     if not isinstance(qualname, str) or qualname.count("::") != 1 or \
-            not all(qualname.split("::")):
-        raise ValueError(f"kl.op: qualname must be 'namespace::name', got {qualname!r}")
+            not all(part.isidentifier() for part in qualname.split("::")):
+        # (checked here: torch's schema parser raises an unclear error, and
+        # after one bad name every later torch.compile in the process fails)
+        raise ValueError(f"kl.op: qualname must be 'namespace::name', two Python identifiers, "
+                         f"got {qualname!r}")
 
     def register(fn: Callable) -> torch.library.CustomOpDef:
-        if not callable(fn):
+        if not inspect.isfunction(fn):
             raise TypeError(f"kl.op({qualname!r}) decorates a function, got "
                             f"{type(fn).__name__}")
+        if _defined(qualname) and not _redefinition(qualname, fn):
+            raise ValueError(f"kl.op: operator {qualname} is already defined (by another "
+                             f"function); registering {fn.__qualname__} under its name would "
+                             f"silently change what the first one's callers run: pick another "
+                             f"name")
         definition = torch.library.custom_op(qualname, mutates_args=mutates_args,
                                              device_types=("kiln", "cpu"), schema=schema)(fn)
 
@@ -68,6 +109,7 @@ def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None =
                 return fn(*args, **kwargs)
 
         definition.register_fake(fake)
+        _REGISTERED[qualname] = (fn.__module__, fn.__code__.co_filename, fn.__qualname__)
         return definition
 
     return register

@@ -42,6 +42,20 @@ _UNARY = {
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "floor": torch.floor,
     "fast_exp": torch.exp,  # the compiled kernel's exp_u20 is within 20 ULP of it
 }
+
+
+def _number(value, dtype: torch.dtype) -> torch.Tensor:
+    """A Python number as a 0-dim tensor of ``dtype``, an int wrapped into an
+    integer dtype's range (two's complement) as PyTorch does with a Python
+    int operand (``int32_tensor + 2**31`` wraps) and compiled kernels do;
+    ``torch.tensor(2**31, dtype=torch.int32)`` would raise instead."""
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            not dtype.is_floating_point and dtype != torch.bool:
+        bits = torch.iinfo(dtype).bits
+        value = (value + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1))
+    return torch.tensor(value, dtype=dtype)
+
+
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "maximum": torch.maximum, "minimum": torch.minimum,
@@ -97,9 +111,9 @@ class Simulator:
             if kind in ("floordiv", "mod") and not isinstance(b, torch.Tensor) and b == 0:
                 raise error(f"integer division by zero in program {self.pid}", loc)
             if not isinstance(a, torch.Tensor):
-                a = torch.tensor(a, dtype=common)
+                a = _number(a, common)
             if not isinstance(b, torch.Tensor):
-                b = torch.tensor(b, dtype=common)
+                b = _number(b, common)
             return _BINARY[kind](a, b)
         if kind in _UNARY:
             return _UNARY[kind](data[0].to(dtype))

@@ -14,12 +14,13 @@ tile model's capacity.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 from torch_kiln.kl import ir, tile_model
-from torch_kiln.kl.errors import error, state, user_location
+from torch_kiln.kl.errors import KernelError, error, state, user_location
 from torch_kiln.kl.tile import TensorArg, Tile
 
 
@@ -46,6 +47,9 @@ def _align(aff, shape):
     coeffs = aff[1]
     pad = len(shape) - len(coeffs)
     return ("0",) * pad + tuple(coeffs)
+
+
+_KL_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class Tracer:
@@ -323,6 +327,19 @@ class _Range:
                             f"value; copy it ({other} = {carried_name} * 1)", self.loc)
 
 
+def _user_frame(tb) -> tuple[str, int] | None:
+    """(file, line) of the innermost frame of traceback ``tb`` outside
+    torch_kiln/kl and torch (the user's kernel or a helper it calls)."""
+    found = None
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    while tb is not None:
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if os.path.dirname(filename) != _KL_DIR and not filename.startswith(torch_dir + os.sep):
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
 def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
     """The ir.Trace of ``fn`` for one specialisation (see module docstring)."""
     tracer = Tracer(name)
@@ -352,7 +369,15 @@ def trace(fn, name, params, tensor_specs, scalar_kinds, constexprs) -> ir.Trace:
                 args.append(Tile((), dtype, v))
             else:
                 args.append(constexprs[p.name])
-        fn(*args)
+        try:
+            fn(*args)
+        except KernelError:
+            raise
+        except Exception as e:
+            # A Python error in the body (v ** 2, v[0] = 1, torch.exp(v), a
+            # NameError): named like the language's own errors, at the user's
+            # line, with the original chained.
+            raise error(f"{type(e).__name__}: {e}", _user_frame(e.__traceback__)) from e
         if tracer.open_loops:
             # named at the loop's own line: the stack here is the launcher's
             raise error("a kl.range loop was left early (break or return inside it); kl.range "
