@@ -147,10 +147,11 @@ def test_side_stream_orders_the_op_with_the_streams_work():
 # "1x::y" and "ns::has space" reached torch's schema parser (an unclear
 # error, and every later torch.compile in the process failed)
 @pytest.mark.parametrize("qualname", ["noseparator", "a::b::c", "::name", "ns::", 3, "1x::y",
-                                      "ns::has space", "ns::a.b"])
+                                      "ns::has space", "ns::a.b", "ns::class", "ns::None",
+                                      "\u00e9::\u00fc"])
 def test_bad_qualname(qualname):
     with pytest.raises(ValueError, match=r"kl.op: qualname must be 'namespace::name', two "
-                                         r"Python identifiers, got"):
+                                         r"ASCII Python identifiers \(not keywords\), got"):
         kl.op(qualname, mutates_args=())
 
 

@@ -123,6 +123,89 @@ def test_written_tensors_are_refused_alike_in_every_mode(device, simulate, monke
     assert torch.equal(out.cpu(), torch.arange(8.0))
 
 
+@kl.jit
+def full_bool_kernel(out, BLOCK: kl.constexpr, VALUE: kl.constexpr):
+    kl.store(out, kl.arange(0, BLOCK), kl.full((BLOCK,), VALUE, kl.bool_))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_bool_of_nan_and_inf_is_true(device):
+    # compiled code wrote numeric_limits<bool>::quiet_NaN(), false
+    for value in (float("nan"), float("inf"), -float("inf"), 0.5, 0.0):
+        out = torch.zeros(4, dtype=torch.bool, device=device)
+        full_bool_kernel[(1,)](out, BLOCK=4, VALUE=value)
+        assert torch.equal(out.cpu(), torch.full((4,), value, dtype=torch.bool))
+
+
+@kl.jit
+def full_half_kernel(out, BLOCK: kl.constexpr, VALUE: kl.constexpr):
+    kl.store(out, kl.arange(0, BLOCK), kl.full((BLOCK,), VALUE, kl.float16))  # LINE:half-full
+
+
+@kl.jit
+def where_constant(out, x, BLOCK: kl.constexpr, C: kl.constexpr):
+    r = kl.arange(0, BLOCK)
+    v = kl.load(x, r)
+    kl.store(out, r, kl.where(v > 0, C, v))  # LINE:where
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [1, 4])
+def test_half_full_and_int32_where_out_of_range_raise(device, block):
+    # compiled, float16 1e5 gave inf and an int32 where with 2**31 gave
+    # INT32_MIN; the simulator raised for some tile sizes only
+    with expect("full_half_kernel", "LINE:half-full", r"kl.full value 100000.0 cannot be "
+                                                      r"represented as float16"):
+        full_half_kernel[(1,)](torch.zeros(block, dtype=torch.float16, device=device),
+                               BLOCK=block, VALUE=1e5)
+    x = torch.tensor([-1, 2, -3, 4], dtype=torch.int32, device=device)
+    for c in (2**31, 2**40):
+        with expect("where_constant", "LINE:where", f"kl.where operand {c} cannot be "
+                    "represented as int32"):
+            where_constant[(1,)](torch.zeros_like(x), x, BLOCK=4, C=c)
+    out = torch.zeros_like(x)
+    where_constant[(1,)](out, x, BLOCK=4, C=2**31 - 1)
+    assert out.cpu().tolist() == [-1, 2**31 - 1, -3, 2**31 - 1]
+
+
+@kl.jit
+def half_unary(out_erf, out_rsqrt, x, n, BLOCK: kl.constexpr):
+    offs = kl.program_id(0) * BLOCK + kl.arange(0, BLOCK)
+    mask = offs < n
+    v = kl.load(x, offs, mask=mask, other=1.0)
+    kl.store(out_erf, offs, kl.erf(v), mask=mask)
+    kl.store(out_rsqrt, offs, kl.rsqrt(v), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_math_agrees_between_simulator_and_compiled(dtype):
+    # the simulator used PyTorch's bf16/fp16 erf and rsqrt, which do not
+    # compute in float32 and round once (erf(1e-7) gave 0): 28690 of the
+    # 65536 bf16 values differed from compiled
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.isfinite(x)]
+    results = []
+    for device in ("kiln", "cpu"):
+        outs = [torch.empty_like(x, device=device) for _ in range(2)]
+        half_unary[(kl.cdiv(x.numel(), 128),)](*outs, x.to(device), x.numel(), BLOCK=128)
+        results.append([o.cpu() for o in outs])
+    for compiled, simulated, f in zip(*results, (torch.erf, torch.rsqrt)):
+        expected = f(x.float()).to(dtype)
+        torch.testing.assert_close(simulated, expected, rtol=0, atol=0, equal_nan=True)
+        differ = (compiled != expected) & ~(compiled.isnan() & expected.isnan())
+        assert differ.float().mean().item() < 0.01  # fast paths may round a last bit apart
+
+
+def test_an_async_kernel_is_refused():
+    async def kernel(out):
+        kl.store(out, kl.arange(0, 4), kl.zeros((4,), kl.float32))
+
+    # (it was accepted, and its body never ran)
+    with pytest.raises(TypeError, match=r"kl.jit kernel: a kernel is a plain function \(def\), "
+                                        r"not async def"):
+        kl.jit(kernel)
+
+
 # ------------------------------------------------------------ unclear errors
 
 @kl.jit

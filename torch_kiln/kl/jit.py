@@ -151,6 +151,10 @@ class JITFunction:
         if not inspect.isfunction(fn):
             raise TypeError(f"kl.jit decorates a Python function (def), got "
                             f"{type(fn).__name__} {fn!r}")
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or \
+                inspect.isasyncgenfunction(fn):
+            raise TypeError(f"kl.jit {fn.__name__}: a kernel is a plain function (def), not "
+                            "async def or a generator: its body would never run")
         if not fn.__name__.isidentifier():
             raise TypeError(f"kl.jit: a kernel must be a function defined with def (its name "
                             f"names the operator torch.ops.kl.<name>), got {fn.__name__!r}")

@@ -245,7 +245,11 @@ def where(condition, a, b) -> Tile:
     if not isinstance(a, Tile) and not isinstance(b, Tile):
         a = full((), a, result_type(a))
     shape = broadcast_shapes(condition.shape, _shape(a), _shape(b))
-    return _make("where", [condition, a, b], shape, result_type(a, b))
+    dtype = result_type(a, b)
+    for operand in (a, b):
+        if not isinstance(operand, Tile):
+            _check_representable(operand, dtype, "kl.where operand")
+    return _make("where", [condition, a, b], shape, dtype)
 
 
 def _unary_float(kind):
@@ -423,15 +427,22 @@ def full(shape, value, dtype=torch.float32) -> Tile:
     if not isinstance(value, (bool, int, float)):
         raise error(f"kl.full value must be a number, got {type(value).__name__}")
     check_tile(shape, dtype, "kl.full")  # a dtype kiln supports, before torch.full sees it
-    try:
-        # PyTorch's rule, as torch.full: a number the dtype cannot hold (nan
-        # or 1e30 as int64, 2**31 as int32, 1e5 as float16) raises. Compiled
-        # code converted it to junk (nan -> 0), the simulator raised.
-        torch.full((), value, dtype=dtype)
-    except (RuntimeError, OverflowError) as e:
-        raise error(f"kl.full value {value!r} cannot be represented as "
-                    f"{_name(dtype)} ({e})") from None
+    _check_representable(value, dtype, "kl.full value")
+    if dtype == torch.bool:
+        value = bool(value)  # nan and inf are True, as torch.full's (C++ made nan false)
     return _make("full", [], shape, dtype, value=value)
+
+
+def _check_representable(value, dtype, what: str) -> None:
+    """PyTorch's rule, as torch.full and torch.where apply it: a Python
+    number ``dtype`` cannot hold (nan or 1e30 as int64, 2**31 as int32, 1e5
+    as float16) raises. Compiled code converted it to junk (nan -> 0, 2**31
+    -> INT32_MIN), the simulator raised. (Two elements: PyTorch's fill of a
+    single half element gives inf instead of raising.)"""
+    try:
+        torch.full((2,), value, dtype=dtype)
+    except (RuntimeError, OverflowError) as e:
+        raise error(f"{what} {value!r} cannot be represented as {_name(dtype)} ({e})") from None
 
 
 def zeros(shape, dtype=torch.float32) -> Tile:

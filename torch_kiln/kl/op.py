@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import keyword
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -57,12 +59,7 @@ _REGISTERED: dict[str, tuple[str, str, str]] = {}
 def _defined(qualname: str) -> bool:
     """Whether an operator ``qualname`` (any overload: aten::add has no
     default one) exists."""
-    namespace, name = qualname.split("::")
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return bool(torch._C._jit_get_schemas_for_operator(qualname))
 
 
 def _redefinition(qualname: str, fn: Callable) -> bool:
@@ -74,8 +71,9 @@ def _redefinition(qualname: str, fn: Callable) -> bool:
     if previous is None:
         return False
     module, filename, name = previous
-    return name == fn.__qualname__ and (module == fn.__module__ or
-                                        filename == fn.__code__.co_filename)
+    return name == fn.__qualname__ and (
+        module == fn.__module__ or
+        os.path.abspath(filename) == os.path.abspath(fn.__code__.co_filename))
 
 
 def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None = None):
@@ -85,10 +83,12 @@ def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None =
     (``mutates_args=()`` for a functional operator, which autograd needs).
     Returns the ``torch.library.CustomOpDef``."""
     if not isinstance(qualname, str) or qualname.count("::") != 1 or \
-            not all(part.isidentifier() for part in qualname.split("::")):
+            not all(part.isidentifier() and part.isascii() and not keyword.iskeyword(part)
+                    for part in qualname.split("::")):
         # (checked here: torch's schema parser raises an unclear error, and
         # after one bad name every later torch.compile in the process fails)
-        raise ValueError(f"kl.op: qualname must be 'namespace::name', two Python identifiers, "
+        raise ValueError(f"kl.op: qualname must be 'namespace::name', two ASCII Python identifiers "
+                         f"(not keywords), "
                          f"got {qualname!r}")
 
     def register(fn: Callable) -> torch.library.CustomOpDef:

@@ -116,7 +116,9 @@ class Simulator:
                 b = _number(b, common)
             return _BINARY[kind](a, b)
         if kind in _UNARY:
-            return _UNARY[kind](data[0].to(dtype))
+            # halves in float32, rounded once (op() casts), as compiled code:
+            # PyTorch's own bf16/fp16 erf and rsqrt round otherwise
+            return _UNARY[kind](data[0].to(torch.float32 if dtype in _HALF else dtype))
         if kind == "abs":
             return data[0].abs()
         if kind == "invert":
