@@ -319,8 +319,9 @@ class JITFunction:
         """The grid as 3 ints; ValueError unless each is a non-negative int
         (a float, even 2.0, is refused, as Triton's launcher refuses it).
         ``traced``: at the launch, where torch.compile passes SymInts (and a
-        0-dim integer tensor converts), only floats, bools and negative ints
-        are refused here; the operator's implementation checks the rest."""
+        0-dim integer tensor converts), those two pass unchecked and the
+        operator's implementation checks them; anything else that is not a
+        non-negative int (a str, None, a float) is refused here."""
         for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
             if traced and isinstance(g, (torch.SymInt, torch.Tensor)):
                 continue  # a size under torch.compile; the implementation checks it

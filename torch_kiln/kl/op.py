@@ -24,19 +24,20 @@ arguments (``jit.launches_skipped``: a constexpr computed from a symbolic
 size need not be known). So the function must allocate every output with
 torch factory functions on the inputs' device and return tensors it
 allocated (not inputs or views of them), as any ``torch.library.custom_op``
-must. The result is the
-``torch.library.CustomOpDef``: ``register_autograd`` gives it a backward
-(usually another ``kl.op`` launching the backward kernels),
-``register_kernel`` may replace the CPU implementation, and
-``torch.compile`` keeps it as one node (``fullgraph=True`` works).
+must. The result is the ``torch.library.CustomOpDef``:
+``register_autograd`` gives it a backward (usually another ``kl.op``
+launching the backward kernels), ``register_kernel`` may replace the CPU
+implementation, and ``torch.compile`` keeps it as one node
+(``fullgraph=True`` works).
 
 Errors: ``ValueError`` for a qualname that is not ``"namespace::name"`` of
-two Python identifiers, or that names an operator already defined by another
-function (``torch.library.custom_op`` would silently replace the first; the
-same function defined again — a module reloaded or imported under two
-names, a notebook cell run again — replaces it, as there);
-``TypeError`` for decorating a non-function; ``torch.library.custom_op``'s
-own errors (a missing type annotation) unchanged.
+two ASCII Python identifiers that are not keywords, or that names an
+operator already defined by another function (``torch.library.custom_op``
+would silently replace the first; the same function defined again — a module
+reloaded or imported under two names, a notebook cell run again — replaces
+it, as there); ``TypeError`` for decorating a non-function;
+``torch.library.custom_op``'s own errors (a missing type annotation)
+unchanged.
 """
 
 from __future__ import annotations
@@ -87,9 +88,8 @@ def op(qualname: str, *, mutates_args: Iterable[str] | str, schema: str | None =
                     for part in qualname.split("::")):
         # (checked here: torch's schema parser raises an unclear error, and
         # after one bad name every later torch.compile in the process fails)
-        raise ValueError(f"kl.op: qualname must be 'namespace::name', two ASCII Python identifiers "
-                         f"(not keywords), "
-                         f"got {qualname!r}")
+        raise ValueError(f"kl.op: qualname must be 'namespace::name', two ASCII Python "
+                         f"identifiers (not keywords), got {qualname!r}")
 
     def register(fn: Callable) -> torch.library.CustomOpDef:
         if not inspect.isfunction(fn):
