@@ -341,14 +341,13 @@ class JITFunction:
         return values, self._check_grid(tuple(flat[n:n + 3]))
 
     def _spec(self, values):
+        # (again here: torch.ops.kl.<name> may be called without the launcher)
+        self._check_kinds(values)
         tensor_specs, scalar_kinds, constexprs = {}, {}, {}
         where = f"kl kernel {self.fn.__name__}"
         for p in self.params:
             v = values[p.name]
             if p.kind == "tensor":
-                if not isinstance(v, torch.Tensor):
-                    raise TypeError(f"{where}: argument '{p.name}' must be a tensor (the kernel "
-                                    f"loads or stores it), got {type(v).__name__}")
                 if v.dtype not in tile_model.DTYPES:
                     raise TypeError(f"{where}: argument '{p.name}' is a "
                                     f"{tile_model.dtype_name(v.dtype)} tensor; the kiln tile "
@@ -358,16 +357,8 @@ class JITFunction:
                                     "kernels take strided tensors")
                 tensor_specs[p.name] = (v.dtype, v.dim())
             elif p.kind == "scalar":
-                if isinstance(v, torch.Tensor) or isinstance(v, bool) or \
-                        not isinstance(v, numbers.Real):
-                    raise TypeError(f"{where}: argument '{p.name}' must be an int or float "
-                                    f"scalar (the kernel does not kl.load it), got "
-                                    f"{type(v).__name__}")
                 scalar_kinds[p.name] = "int" if isinstance(v, numbers.Integral) else "float"
             else:
-                if not isinstance(v, (bool, int, float)):
-                    raise TypeError(f"{where}: kl.constexpr argument '{p.name}' must be a "
-                                    f"Python int, float or bool, got {type(v).__name__}")
                 constexprs[p.name] = v
         key = (tuple((k, v) for k, v in tensor_specs.items()), tuple(scalar_kinds.items()),
                tuple((k, type(v).__name__, v) for k, v in constexprs.items()))

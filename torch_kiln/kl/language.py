@@ -16,6 +16,7 @@ KernelError naming the kernel and the user's line.
 from __future__ import annotations
 
 import builtins
+import functools
 import numbers
 
 import torch
@@ -426,7 +427,6 @@ def full(shape, value, dtype=torch.float32) -> Tile:
         return v if shape == () else broadcast_to(v, shape)
     if not isinstance(value, (bool, int, float)):
         raise error(f"kl.full value must be a number, got {type(value).__name__}")
-    check_tile(shape, dtype, "kl.full")  # a dtype kiln supports, before torch.full sees it
     _check_representable(value, dtype, "kl.full value")
     if dtype == torch.bool:
         value = bool(value)  # nan and inf are True, as torch.full's (C++ made nan false)
@@ -437,12 +437,25 @@ def _check_representable(value, dtype, what: str) -> None:
     """PyTorch's rule, as torch.full and torch.where apply it: a Python
     number ``dtype`` cannot hold (nan or 1e30 as int64, 2**31 as int32, 1e5
     as float16) raises. Compiled code converted it to junk (nan -> 0, 2**31
-    -> INT32_MIN), the simulator raised. (Two elements: PyTorch's fill of a
-    single half element gives inf instead of raising.)"""
+    -> INT32_MIN), the simulator raised. A dtype kiln does not support is
+    left to check_tile's error. Runs once per (value, dtype): the simulator
+    calls kl.full again in every program."""
+    if dtype not in tile_model.DTYPES:
+        return
+    problem = _unrepresentable(type(value), value, dtype)
+    if problem is not None:
+        raise error(f"{what} {value!r} cannot be represented as {_name(dtype)} ({problem})")
+
+
+@functools.lru_cache(maxsize=1024)
+def _unrepresentable(kind: type, value, dtype) -> str | None:
+    # (kind keeps 1, 1.0 and True apart: they hash alike.) Two elements:
+    # PyTorch's fill of a single half element gives inf instead of raising.
     try:
         torch.full((2,), value, dtype=dtype)
     except (RuntimeError, OverflowError) as e:
-        raise error(f"{what} {value!r} cannot be represented as {_name(dtype)} ({e})") from None
+        return str(e)
+    return None
 
 
 def zeros(shape, dtype=torch.float32) -> Tile:
