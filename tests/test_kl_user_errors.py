@@ -295,3 +295,38 @@ def test_backward_through_a_kl_kernel_points_to_kl_op():
     with pytest.raises(RuntimeError, match=r"Wrap the kernel in an operator with "
                                            r"torch_kiln.kl.op .*'Autograd for kl kernels'"):
         out.sum().backward()
+
+
+# ------------------------------------------------------- helper functions
+# Found while splitting the attention example into helpers (2026-12-06): kl
+# found tensor parameters only in the kernel's own body, so a tensor that
+# only a helper loads or stores was refused as "never kl.loads or kl.stores
+# it". The helpers below load and store through their own parameter names,
+# by position and by keyword, and one is defined after the kernel.
+
+def _load_through_a_helper(src, r, n):
+    return kl.load(src, r, mask=r < n, other=0.0)
+
+
+@kl.jit
+def copies_through_helpers(out, x, y, n, BLOCK: kl.constexpr):
+    r = kl.program_id(0) * BLOCK + kl.arange(0, BLOCK)
+    total = _load_through_a_helper(x, r, n) + _load_through_a_helper(src=y, r=r, n=n)
+    _store_defined_after_the_kernel(total * 2.0, r, n, dst=out)
+
+
+def _store_defined_after_the_kernel(value, r, n, dst):
+    kl.store(dst, r, value, mask=r < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_helpers_may_load_and_store_the_kernels_tensors(device):
+    x = torch.arange(10.0, device=device)
+    y = torch.full((10,), 0.5, device=device)
+    out = torch.zeros(10, device=device)
+    copies_through_helpers[(kl.cdiv(10, 4),)](out, x, y, 10, BLOCK=4)
+    torch.testing.assert_close(out.cpu(), (x.cpu() + 0.5) * 2, rtol=0, atol=0)
+    # the operator knows the helper writes 'out' (and only 'out'): under
+    # torch.compile the write is kept, and x, y are inputs
+    schema = str(copies_through_helpers.op._schema)
+    assert re.search(r"Tensor\(\w+!\) out, Tensor x, Tensor y, Scalar n", schema), schema

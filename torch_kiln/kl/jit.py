@@ -109,29 +109,96 @@ def _is_constexpr(annotation) -> bool:
     return isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr"
 
 
-def _analyse(fn) -> tuple[set[str], set[str]]:
-    """(tensor params, written params) from fn's source."""
+def _source_tree(fn):
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError):
-        raise TypeError(f"kl.jit: the source of {fn.__qualname__} is not available (kl reads it "
-                        "to find the tensor parameters); define kernels in a file") from None
-    tree = ast.parse(source)
-    params = set(inspect.signature(fn).parameters)
+        return None
+
+
+def _callee(fn, func):
+    """The Python function a call's ``func`` node names in ``fn``'s scope
+    (a global or closure name, or ``module.name``), or None: kl's own
+    functions, builtins and anything not resolvable by reading names."""
+    if isinstance(func, ast.Name):
+        scope = dict(zip(fn.__code__.co_freevars,
+                         (c.cell_contents for c in fn.__closure__ or () if _filled(c))))
+        target = scope.get(func.id, fn.__globals__.get(func.id))
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        owner = fn.__globals__.get(func.value.id)
+        target = getattr(owner, func.attr, None) if inspect.ismodule(owner) else None
+    else:
+        return None
+    if not inspect.isfunction(target) or target.__module__.startswith("torch_kiln.kl"):
+        return None
+    return target
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
+
+
+def _analyse(fn, names=None, seen=None) -> tuple[set[str], set[str]]:
+    """(tensor params, written params) of kernel ``fn``, read from its
+    source: a parameter is a tensor if it is kl.loaded or kl.stored (written)
+    or its ``.shape``/``.stride``/``.ndim`` is read, in the kernel or in a
+    helper function it is passed to by name (followed through globals,
+    closures and ``module.function``, as the tracer will call them).
+    ``names`` maps fn's local names to kernel parameters (None: fn is the
+    kernel)."""
+    tree = _source_tree(fn)
+    if tree is None:
+        if names is None:
+            raise TypeError(f"kl.jit: the source of {fn.__qualname__} is not available (kl "
+                            "reads it to find the tensor parameters); define kernels in a file")
+        return set(), set()  # a helper kl cannot read: its uses stay unknown
+    if names is None:
+        names = {name: name for name in inspect.signature(fn).parameters}
+    seen = set() if seen is None else seen
     tensors, written = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
+        if isinstance(node, ast.Call):
             func = node.func
             fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            name = node.args[0].id
-            if fname in ("load", "store") and name in params:
-                tensors.add(name)
+            if fname in ("load", "store") and node.args and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in names:
+                tensors.add(names[node.args[0].id])
                 if fname == "store":
-                    written.add(name)
+                    written.add(names[node.args[0].id])
+            callee = _callee(fn, func)
+            if callee is not None:
+                passed = _passed(callee, node, names)
+                key = (callee.__code__, frozenset(passed.items()))
+                if passed and key not in seen:
+                    seen.add(key)
+                    inner_tensors, inner_written = _analyse(callee, passed, seen)
+                    tensors |= inner_tensors
+                    written |= inner_written
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
-                node.attr in ("shape", "stride", "ndim") and node.value.id in params:
-            tensors.add(node.value.id)
+                node.attr in ("shape", "stride", "ndim") and node.value.id in names:
+            tensors.add(names[node.value.id])
     return tensors, written
+
+
+def _passed(callee, call, names) -> dict[str, str]:
+    """{callee parameter: kernel parameter} for the call's arguments that
+    are names of kernel parameters (positional and keyword)."""
+    params = [p for p in inspect.signature(callee).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    passed = {}
+    for param, arg in zip(params, call.args):
+        if isinstance(arg, ast.Starred):
+            break
+        if isinstance(arg, ast.Name) and arg.id in names:
+            passed[param.name] = names[arg.id]
+    for keyword in call.keywords:
+        if keyword.arg and isinstance(keyword.value, ast.Name) and keyword.value.id in names:
+            passed[keyword.arg] = names[keyword.value.id]
+    return passed
 
 
 # The largest grid a launch may have, per axis: CUDA's limits on a grid's x, y
@@ -167,32 +234,65 @@ class JITFunction:
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self.simulate = simulate
-        signature = inspect.signature(fn)
-        tensors, written = _analyse(fn)
-        self.params: list[ir.Param] = []
+        if _source_tree(fn) is None:
+            raise TypeError(f"kl.jit: the source of {fn.__qualname__} is not available (kl "
+                            "reads it to find the tensor parameters); define kernels in a file")
         self.defaults = {}
-        for name, p in signature.parameters.items():
+        for name, p in inspect.signature(fn).parameters.items():
             if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
                 raise TypeError(f"kl.jit {fn.__name__}: parameter '{name}' must be a plain "
                                 "positional parameter (no *args, **kwargs, keyword-only)")
-            if _is_constexpr(p.annotation):
-                kind = "constexpr"
-            elif name in tensors:
-                kind = "tensor"
-            else:
-                kind = "scalar"
-            self.params.append(ir.Param(name, kind, name in written))
             if p.default is not p.empty:
                 self.defaults[name] = p.default
+        self._params: list[ir.Param] | None = None  # set by _prepare
+        self._prepare_lock = threading.Lock()
         self._specs: dict = {}
         self._spec_lock = threading.Lock()
-        self.name = self._register()
+
+    # Note [kl parameters are classified at first use]: whether a parameter
+    # is a tensor (and whether it is written) is read from the kernel's
+    # source and the helper functions it calls (_analyse). Helpers are found
+    # by name in the kernel's module, which may define them after the
+    # kernel, so the reading, and the operator's registration that needs
+    # it, happen at the first launch (or the first use of params, op, name).
+
+    def _prepare(self) -> None:
+        if self._params is not None:
+            return
+        with self._prepare_lock:
+            if self._params is not None:
+                return
+            tensors, written = _analyse(self.fn)
+            params = []
+            for name, p in inspect.signature(self.fn).parameters.items():
+                kind = ("constexpr" if _is_constexpr(p.annotation) else
+                        "tensor" if name in tensors else "scalar")
+                params.append(ir.Param(name, kind, name in written))
+            self._name, self._op = self._register(params)
+            self._params = params
+
+    @property
+    def params(self) -> list[ir.Param]:
+        self._prepare()
+        return self._params
+
+    @property
+    def name(self) -> str:
+        """The operator's name: torch.ops.kl.<name>."""
+        self._prepare()
+        return self._name
+
+    @property
+    def op(self):
+        """The kernel's torch.library operator (torch.ops.kl.<name>.default)."""
+        self._prepare()
+        return self._op
 
     def __repr__(self) -> str:
         return f"<kl kernel {self.fn.__qualname__} (torch.ops.kl.{self.name})>"
 
     # ------------------------------------------------------------ operator
-    def _register(self) -> str:
+    def _register(self, params) -> tuple:
         with _LOCK:
             base = self.fn.__name__
             name = base
@@ -202,7 +302,7 @@ class JITFunction:
                 name = f"{base}_{k}"
             _NAMES.add(name)
         parts, aliases = [], alias_names()
-        for p in self.params:
+        for p in params:
             if p.kind == "tensor":
                 parts.append(f"Tensor({next(aliases)}!) {p.name}" if p.written
                              else f"Tensor {p.name}")
@@ -214,11 +314,10 @@ class JITFunction:
         lib.impl(name, self._kiln_impl, "PrivateUse1")
         lib.impl(name, self._cpu_impl, "CPU")
         torch.library.register_fake(f"kl::{name}", lambda *args: None, lib=lib)
-        lib.impl(name, autograd_kernel(f"kl::{name}", [i for i, p in enumerate(self.params)
+        lib.impl(name, autograd_kernel(f"kl::{name}", [i for i, p in enumerate(params)
                                                         if p.kind == "tensor" and p.written]),
                  "Autograd", with_keyset=True)
-        self.op = getattr(torch.ops.kl, name).default
-        return name
+        return name, getattr(torch.ops.kl, name).default
 
     def __getitem__(self, grid):
         return _Launcher(self, grid)
