@@ -238,6 +238,41 @@ def test_fast_exp_propagates_nan(device):
     assert torch.isnan(out.cpu()[::4]).all(), out.cpu()
 
 
+@kl.jit
+def row_reductions_kernel(out, x, N: kl.constexpr):
+    # unfused (a loaded tile) and fused (an elementwise expression reduced in
+    # the loop that computes it): each ends with kl_lanes_* over the vector
+    # accumulator, then the tail elements
+    r = kl.program_id(0)
+    t = kl.load(x, (r, kl.arange(0, N)))
+    cols = kl.arange(0, 6)
+    kl.store(out, (r, cols), kl.where(cols == 0, kl.max(t, axis=0),
+                                      kl.where(cols == 1, kl.min(t, axis=0),
+                                               kl.where(cols == 2, kl.sum(t, axis=0),
+                                                        kl.where(cols == 3, kl.max(t * 1.0, axis=0),
+                                                                 kl.where(cols == 4, kl.min(t * 1.0, axis=0),
+                                                                          kl.sum(t * 1.0, axis=0)))))))
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("n", [16, 32, 35])  # whole vectors (AVX-512, AVX2) and a tail
+def test_row_reductions_propagate_nan_and_inf_from_every_lane(device, n):
+    # a NaN, +inf or -inf in each position of a row: the lanes are combined
+    # by a tree of shuffles (kl_lanes_max etc.), so every lane must reach the
+    # result
+    rows = []
+    for special in (float("nan"), float("inf"), -float("inf")):
+        for pos in range(n):
+            row = torch.arange(n, dtype=torch.float32) - n / 2
+            row[pos] = special
+            rows.append(row)
+    x = torch.stack(rows)
+    out = torch.zeros(len(rows), 6, device=device)
+    row_reductions_kernel[(len(rows),)](out, x.to(device), N=n)
+    expected = torch.stack([x.amax(1), x.amin(1), x.sum(1)] * 2, dim=1)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
 def test_fast_exp_near_the_float32_underflow(device):
     # exp(-87) = 1.65e-38 and exp(-87.3) = 1.22e-38 are normal floats

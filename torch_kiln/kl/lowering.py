@@ -169,6 +169,21 @@ inline void kl_transpose_f32(const float* __restrict src, int64_t m, int64_t n,
   for (; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) dst[j * m + i] = src[i * n + j];
 }
+// A vector accumulator's lanes combined into one float by a tree of
+// shuffles (at::vec::vec_reduce_all, as ATen's CPU reductions finish): four
+// dependent steps on AVX-512 where a loop over the stored lanes takes 15
+// (and, for max/min, a NaN test each). maximum/minimum propagate NaN.
+inline float kl_lanes_sum(const KlVec& v) {
+  return at::vec::vec_reduce_all<float>([](const KlVec& a, const KlVec& b) { return a + b; }, v);
+}
+inline float kl_lanes_max(const KlVec& v) {
+  return at::vec::vec_reduce_all<float>(
+      [](const KlVec& a, const KlVec& b) { return at::vec::maximum(a, b); }, v);
+}
+inline float kl_lanes_min(const KlVec& v) {
+  return at::vec::vec_reduce_all<float>(
+      [](const KlVec& a, const KlVec& b) { return at::vec::minimum(a, b); }, v);
+}
 template <typename T> inline T kl_maximum(T a, T b) {
   if constexpr (std::is_floating_point_v<T>) { if (a != a) return a; if (b != b) return b; }
   return a > b ? a : b;
@@ -894,15 +909,11 @@ class _Emitter:
         self.line(f"if ({ii} < {n}) {self._vec_expr(op, full, count)}.store({dest} + {ii}, "
                   f"{count});")
         for acc, r in (zip(accs, reductions) if reductions else ()):
-            # as reduce() does: the lanes in order, then the tail elements
-            # (read back from the row just stored) one by one
+            # as reduce() does: the lanes (kl_lanes_*), then the tail
+            # elements (read back from the row just stored) one by one
             acc_dtype, _, combine = self._reduction_parts(r)
-            lanes, total = self.fresh("lanes"), self.fresh("total")
-            self.line(f"float {lanes}[KlVec::size()];")
-            self.line(f"{acc}.store({lanes});")
-            self.line(f"float {total} = {lanes}[0];")
-            self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
-                      + combine.format(a=total, b=f"{lanes}[l]") + ";")
+            total = self.fresh("total")
+            self.line(f"float {total} = kl_lanes_{r.kind}({acc});")
             self.line(f"for (int64_t l = {tail_start}; l < {n}; ++l) {total} = "
                       + combine.format(a=total, b=f"({dest})[l]") + ";")
             rv = r.result
@@ -1021,18 +1032,14 @@ class _Emitter:
 
             def vbody(idx, flat):
                 r = self.fresh("r")
-                vacc, lanes, total = self.fresh("vacc"), self.fresh("lanes"), self.fresh("total")
+                vacc, total = self.fresh("vacc"), self.fresh("total")
                 step = (self._vec_expr(fused, idx + [r], None) if fused is not None
                         else f"KlVec::loadu(&{self.elem(x, idx + [r])})")
                 self.line(f"KlVec {vacc}({init});")
                 self.line(f"int64_t {r} = 0;")
                 self.line(f"for (; {r} + KlVec::size() <= {n}; {r} += KlVec::size()) {vacc} = "
                           + vcombine.format(a=vacc, b=step) + ";")
-                self.line(f"float {lanes}[KlVec::size()];")
-                self.line(f"{vacc}.store({lanes});")
-                self.line(f"float {total} = {lanes}[0];")
-                self.line(f"for (int l = 1; l < KlVec::size(); ++l) {total} = "
-                          + combine.format(a=total, b=f"{lanes}[l]") + ";")
+                self.line(f"float {total} = kl_lanes_{kind}({vacc});")
                 if fused is None:
                     self.line(f"for (; {r} < {n}; ++{r}) {total} = "
                               + combine.format(a=total, b=self.elem(x, idx + [r])) + ";")
