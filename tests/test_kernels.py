@@ -606,6 +606,20 @@ def test_an_expanded_written_tensor_is_rejected(fill_lib):
         fill_lib.fill(out, 1.0)
 
 
+def test_an_inference_tensor_is_written_only_in_inference_mode(fill_lib):
+    # it was written silently outside inference mode, where torch refuses
+    # in-place updates of inference tensors (custom operators' too)
+    with torch.inference_mode():
+        out = torch.zeros(4, device="kiln")
+    with pytest.raises(RuntimeError, match=r"argument 'out' is written by the kernel but is an "
+                                           r"inference tensor"):
+        fill_lib.fill(out, 1.0)
+    assert torch.equal(out.cpu(), torch.zeros(4))
+    with torch.inference_mode():
+        fill_lib.fill(out, 1.0)
+    assert torch.equal(out.cpu(), torch.ones(4))
+
+
 def test_scalar_arguments_overflow_and_numpy(fill_lib):
     import numpy as np
 

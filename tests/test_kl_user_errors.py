@@ -330,3 +330,54 @@ def test_helpers_may_load_and_store_the_kernels_tensors(device):
     # torch.compile the write is kept, and x, y are inputs
     schema = str(copies_through_helpers.op._schema)
     assert re.search(r"Tensor\(\w+!\) out, Tensor x, Tensor y, Scalar n", schema), schema
+
+
+# ------------------------------------------- found by helper-7, fixed later
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writing_an_inference_tensor_outside_inference_mode_is_refused(device):
+    # kiln wrote it silently; the simulator raised from copy_ inside a
+    # KernelError. torch refuses in-place updates of inference tensors
+    # outside inference mode, custom operators included.
+    with torch.inference_mode():
+        out = torch.zeros(4, device=device)
+    x = torch.ones(4, device=device)
+    with pytest.raises(RuntimeError, match=r"kiln kernel kl::copy_kernel: argument 'out' is "
+                                           r"written by the kernel but is an inference tensor"):
+        copy_kernel[(1,)](out, x, 4, BLOCK=4)
+    assert torch.equal(out.cpu(), torch.zeros(4))
+    with torch.inference_mode():  # inside inference mode it may be written, as in torch
+        copy_kernel[(1,)](out, x, 4, BLOCK=4)
+    assert torch.equal(out.cpu(), torch.ones(4))
+
+
+def test_a_grid_functions_key_error_reads_as_its_message():
+    # KeyError's str() quotes its one argument: the message read "kl ... "
+    x = torch.ones(4, device="kiln")
+    with pytest.raises(KeyError) as info:
+        copy_kernel[lambda meta: (meta["nope"],)](torch.zeros(4, device="kiln"), x, 4, BLOCK=4)
+    assert str(info.value).startswith("kl kernel copy_kernel: the grid function raised "
+                                      "KeyError: 'nope'"), str(info.value)
+
+
+@kl.jit
+def launches_a_kernel_inside(out, x, BLOCK: kl.constexpr):
+    copy_kernel[(1,)](out, x, 4, BLOCK=BLOCK)  # LINE:launch-in-kernel
+
+
+@kl.jit
+def calls_a_kernel_without_a_grid(out, x, BLOCK: kl.constexpr):
+    copy_kernel(out, x, 4, BLOCK=BLOCK)  # LINE:call-in-kernel
+
+
+@pytest.mark.parametrize("kernel,marker", [(launches_a_kernel_inside, "LINE:launch-in-kernel"),
+                                           (calls_a_kernel_without_a_grid, "LINE:call-in-kernel")])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kernel_that_launches_a_kernel_is_refused_at_its_line(kernel, marker, device):
+    # it said "argument 'out' is a tensor, but the kernel never kl.loads or
+    # kl.stores it"
+    with pytest.raises(TypeError, match=rf"kl kernel {kernel.__name__} launches kl kernel "
+                                        rf"copy_kernel at .*{re.escape(where(HERE, marker))}: "
+                                        r"a kernel cannot launch kernels; .* plain Python "
+                                        r"function"):
+        kernel[(1,)](torch.zeros(4, device=device), torch.ones(4, device=device), BLOCK=4)

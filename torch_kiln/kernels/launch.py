@@ -30,12 +30,18 @@ _TENSOR, _FLOAT, _INT = 0, 1, 2
 
 def check_written(where: str, value: torch.Tensor) -> None:
     """RuntimeError, starting with ``where``, if a kernel may not write
-    ``value``: a leaf that requires grad (with grad mode on), or a tensor
-    with internal overlap (expanded, stride 0). Shared by part 1's launcher
+    ``value``: a leaf that requires grad (with grad mode on), an inference
+    tensor outside inference mode, or a tensor with internal overlap
+    (expanded, stride 0). Shared by part 1's launcher
     and the kl simulator, so every mode refuses the same tensors alike."""
     if value.requires_grad and torch.is_grad_enabled() and value.is_leaf:
         raise RuntimeError(f"{where} is written by the kernel but is a leaf tensor that "
                            "requires grad")
+    if value.is_inference() and not torch.is_inference_mode_enabled():
+        # as torch refuses in-place ops (custom operators' included) on them
+        raise RuntimeError(f"{where} is written by the kernel but is an inference tensor (made "
+                           "under torch.inference_mode()), which may be written only inside "
+                           "inference mode; clone() it first, or launch under inference_mode")
     if torch._debug_has_internal_overlap(value) == 1:
         raise RuntimeError(f"{where} is written by the kernel, but more than one of its "
                            "elements refers to a single memory location (an expanded, "

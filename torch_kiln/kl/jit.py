@@ -116,19 +116,24 @@ def _source_tree(fn):
         return None
 
 
-def _callee(fn, func):
-    """The Python function a call's ``func`` node names in ``fn``'s scope
-    (a global or closure name, or ``module.name``), or None: kl's own
-    functions, builtins and anything not resolvable by reading names."""
+def _resolve(fn, func):
+    """The object a call's ``func`` node names in ``fn``'s scope: a global or
+    closure name, or ``module.name``; None if not resolvable by reading
+    names."""
     if isinstance(func, ast.Name):
         scope = dict(zip(fn.__code__.co_freevars,
                          (c.cell_contents for c in fn.__closure__ or () if _filled(c))))
-        target = scope.get(func.id, fn.__globals__.get(func.id))
-    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return scope.get(func.id, fn.__globals__.get(func.id))
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
         owner = fn.__globals__.get(func.value.id)
-        target = getattr(owner, func.attr, None) if inspect.ismodule(owner) else None
-    else:
-        return None
+        return getattr(owner, func.attr, None) if inspect.ismodule(owner) else None
+    return None
+
+
+def _callee(fn, func):
+    """The Python function (a helper) a call's ``func`` node names, or
+    None: kl's own functions, builtins, anything not resolvable."""
+    target = _resolve(fn, func)
     if not inspect.isfunction(target) or target.__module__.startswith("torch_kiln.kl"):
         return None
     return target
@@ -142,14 +147,16 @@ def _filled(cell) -> bool:
     return True
 
 
-def _analyse(fn, names=None, seen=None) -> tuple[set[str], set[str]]:
+def _analyse(fn, names=None, seen=None, kernel=None) -> tuple[set[str], set[str]]:
     """(tensor params, written params) of kernel ``fn``, read from its
     source: a parameter is a tensor if it is kl.loaded or kl.stored (written)
     or its ``.shape``/``.stride``/``.ndim`` is read, in the kernel or in a
     helper function it is passed to by name (followed through globals,
     closures and ``module.function``, as the tracer will call them).
     ``names`` maps fn's local names to kernel parameters (None: fn is the
-    kernel)."""
+    kernel, named ``kernel`` in errors). A launch of a kl kernel (``k[grid](...)``
+    or ``k(...)``) raises TypeError: kernels do not launch kernels."""
+    kernel = fn.__name__ if kernel is None else kernel
     tree = _source_tree(fn)
     if tree is None:
         if names is None:
@@ -163,6 +170,13 @@ def _analyse(fn, names=None, seen=None) -> tuple[set[str], set[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
+            launched = _resolve(fn, func.value if isinstance(func, ast.Subscript) else func)
+            if isinstance(launched, JITFunction):
+                line = fn.__code__.co_firstlineno + node.lineno - 1
+                raise TypeError(f"kl kernel {kernel} launches kl kernel {launched.__name__} at "
+                                f"{fn.__code__.co_filename}:{line}: a kernel cannot launch "
+                                "kernels; put the shared code in a plain Python function (a "
+                                "helper, which kl runs inline) and call that from both")
             fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
             if fname in ("load", "store") and node.args and \
                     isinstance(node.args[0], ast.Name) and node.args[0].id in names:
@@ -175,7 +189,7 @@ def _analyse(fn, names=None, seen=None) -> tuple[set[str], set[str]]:
                 key = (callee.__code__, frozenset(passed.items()))
                 if passed and key not in seen:
                     seen.add(key)
-                    inner_tensors, inner_written = _analyse(callee, passed, seen)
+                    inner_tensors, inner_written = _analyse(callee, passed, seen, kernel)
                     tensors |= inner_tensors
                     written |= inner_written
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
@@ -199,6 +213,14 @@ def _passed(callee, call, names) -> dict[str, str]:
         if keyword.arg and isinstance(keyword.value, ast.Name) and keyword.value.id in names:
             passed[keyword.arg] = names[keyword.value.id]
     return passed
+
+
+class GridKeyError(KeyError):
+    """A grid function's KeyError, reworded to name the kernel; a KeyError
+    whose str() is its message (KeyError's own str() quotes it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 # The largest grid a launch may have, per axis: CUDA's limits on a grid's x, y
@@ -401,10 +423,13 @@ class JITFunction:
                            f"{type(e).__name__}: {e} (it is called with one argument, a dict "
                            f"of the launch's arguments by parameter name, and returns 1 to 3 "
                            f"ints)")
-                try:
-                    wrapped = type(e)(message)  # the same type, for except clauses
-                except Exception:
-                    wrapped = RuntimeError(message)
+                if isinstance(e, KeyError):
+                    wrapped = GridKeyError(message)  # KeyError's str() would quote it
+                else:
+                    try:
+                        wrapped = type(e)(message)  # the same type, for except clauses
+                    except Exception:
+                        wrapped = RuntimeError(message)
                 raise wrapped from e
         if not isinstance(grid, (tuple, list)):
             grid = (grid,)
