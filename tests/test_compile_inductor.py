@@ -15,6 +15,7 @@ torch_kiln/compiler/inductor/__init__.py for what the order tests check.
 import copy
 import importlib.util
 import os
+import re
 import uuid
 
 import pytest
@@ -380,24 +381,107 @@ def test_out_of_memory_inside_a_compiled_graph():
     assert_close(fn(x), expected)  # the device and the compiled function work afterwards
 
 
-def test_kernels_take_their_thread_count_at_run_time():
-    # Note [Intra-op threads of kiln kernels]: no thread count fixed at
-    # compile time in kiln kernels, so torch.set_num_threads reaches them.
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _column_sums(t):
+    # A reduction over 8192 rows: Inductor splits it across threads (one
+    # partial sum per thread) when it is compiled for two.
+    return (t * 2).sum(0)
+
+
+def _compiled_with_code(fn, *args):
     from torch._inductor.utils import run_and_get_code
 
-    torch.manual_seed(0)
-    x = torch.randn(256, 64, device="kiln")
     torch._dynamo.reset()
-    out, sources = run_and_get_code(torch.compile(lambda t: (t * 2).sum(1)), x)
-    # The generated sum adds the 64 terms in another order than ATen's (its
-    # own vector lanes): within float32 rounding of the exact sum, a few ulp
-    # of sum(|2x|) (about 100), not within 1e-5 of a row sum near 0.
-    exact = (x.double() * 2).sum(1)
-    bound = 64 * 2.0**-24 * (x.double().abs() * 2).sum(1)
-    assert ((out.double() - exact).abs() <= bound).all()
-    code = "\n".join(sources)
-    assert ".launch(0, " in code and "#pragma omp parallel" in code
-    assert "num_threads(" not in code
+    out, sources = run_and_get_code(torch.compile(fn), *args)
+    return out, "\n".join(sources)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(64, 10), (8192, 64)])
+def test_kernels_are_cpus_for_the_compile_time_thread_count(restore_threads, threads, shape):
+    # Note [Generated kernels use at most their compile-time thread count]:
+    # the same parallel regions and reduction splits as Inductor on CPU at
+    # the same torch.get_num_threads(), so the same bits. (With Inductor's
+    # dynamic_threads, kiln opened a region in every kernel and split the
+    # (64, 10) column sum, a CNN's bias gradient, by thread: 1 ulp off CPU.)
+    torch.set_num_threads(threads)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    cpu_out, cpu_code = _compiled_with_code(_column_sums, x)
+    out, code = _compiled_with_code(_column_sums, x.to("kiln"))
+    assert out.device.type == "kiln"
+    assert torch.equal(out.cpu(), cpu_out)
+    assert code.count("#pragma omp parallel") == cpu_code.count("#pragma omp parallel")
+    assert code.count("_arr[tid]") == cpu_code.count("_arr[tid]")
+    if threads == 1:
+        assert "#pragma omp parallel" not in code
+
+
+def test_a_new_thread_count_recompiles_and_matches_cpu(restore_threads):
+    # Dynamo guards on torch.get_num_threads() (its global-state guard), so a
+    # function compiled at 2 threads is compiled again at 3, for 3, on kiln
+    # as on CPU: the same bits as CPU at each count.
+    x = torch.randn(8192, 64, generator=torch.Generator().manual_seed(0))
+    cpu_fn, kiln_fn = torch.compile(_column_sums), torch.compile(_column_sums)
+    torch._dynamo.reset()
+    for threads in (2, 3, 1):
+        torch.set_num_threads(threads)
+        assert torch.equal(kiln_fn(x.to("kiln")).cpu(), cpu_fn(x)), threads
+
+
+def test_a_backward_run_at_more_threads_than_compiled_for_uses_the_compiled_count(restore_threads):
+    # The backward graph is compiled with the forward, at 2 threads; run
+    # after torch.set_num_threads(4) (no Dynamo guard on it), its column sum
+    # keeps partial sums in an array of 2: it runs 2 threads, the same bits.
+    def loss(x, w):
+        return (x * w).sum()
+
+    x = torch.randn(8192, 64, generator=torch.Generator().manual_seed(0)).to("kiln")
+    grads = []
+    for backward_threads in (2, 4):
+        torch._dynamo.reset()
+        torch.set_num_threads(2)
+        w = torch.ones(64, device="kiln", requires_grad=True)
+        out = torch.compile(loss)(x, w)
+        torch.set_num_threads(backward_threads)
+        out.backward()
+        grads.append(w.grad.cpu())
+    assert torch.equal(grads[1], grads[0])
+    # Within float32 rounding of the exact column sums (n ulp of sum |x|).
+    exact, magnitude = x.cpu().double().sum(0), x.cpu().double().abs().sum(0)
+    assert ((grads[0].double() - exact).abs() <= 8192 * 2.0**-24 * magnitude).all()
+
+
+def test_parallel_regions_are_capped_at_the_compile_time_count():
+    # The cap is the safety net for a kernel run at more threads than it
+    # keeps partial results for (its arrays have one slot per thread it was
+    # generated for); regions Inductor already fixes are left alone.
+    from torch_kiln.compiler.inductor.kernels import cap_parallel_threads
+
+    source = ("{\n    #pragma omp parallel\n    {}\n"
+              "    #pragma omp parallel num_threads(3)\n    {}\n"
+              "    # pragma omp parallel\n}")
+    capped = cap_parallel_threads(source, 2)
+    assert capped.count("#pragma omp parallel num_threads(omp_get_max_threads() < 2 ? "
+                        "omp_get_max_threads() : 2)") == 1
+    assert "    #pragma omp parallel num_threads(3)\n" in capped
+    assert "    # pragma omp parallel\n" in capped  # the GEMM template's, split by blocks
+    with pytest.raises(ValueError, match="0 threads"):
+        cap_parallel_threads(source, 0)
+
+
+def test_the_cache_key_names_the_thread_count(restore_threads):
+    from torch_kiln.compiler.inductor.cache_key import KilnCodegenPass
+
+    torch.set_num_threads(1)
+    one = KilnCodegenPass().uuid()
+    torch.set_num_threads(2)
+    assert KilnCodegenPass().uuid() != one
 
 
 def test_strided_offset_expanded_and_zero_size_inputs():

@@ -46,11 +46,13 @@ Triton kernels fit between CUDA's eager kernels:
   ``torch.kiln.device(N)`` around extern kernels as CUDA's does. (Inductor
   flushes C++ kernels after it closes the guard, so a launch may stand
   outside it; naming the device makes that harmless.)
-* Intra-op threads: a generated kernel's OpenMP region uses the stream
-  worker's thread count, which the task sets from the launching thread's
-  ``torch.get_num_threads()`` (Note [Intra-op threads of kiln kernels]);
-  ``KilnScheduling`` makes kiln kernels always take that count at run time
-  rather than a count fixed at compile time.
+* Intra-op threads: a generated kernel is the C++ Inductor writes for CPU
+  at the compiling thread's ``torch.get_num_threads()`` T (which loops run in
+  parallel, how reductions split), so compiled kiln gives compiled CPU's
+  bits; it runs with the stream worker's count, which the task sets from the
+  launching thread's (Note [Intra-op threads of kiln kernels]), capped at T
+  (Note [Generated kernels use at most their compile-time thread count] in
+  kernels.py).
 * Errors inside OpenMP regions: a C++ exception leaving ``#pragma omp
   parallel`` terminates the process, so kernels with an indirect-index check
   are built without OpenMP (``kernels.needs_serial_build``). Integer division

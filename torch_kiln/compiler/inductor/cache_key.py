@@ -10,8 +10,9 @@ device backend's part of the key is the ``device_custom_pass`` of
 (``FxGraphHashDetails.custom_backend_passes``). ``KilnCodegenPass`` leaves
 the graph unchanged and its uuid hashes kiln's code generator: the sources of
 this package, the compiler package's DeviceInterface and convolution
-strides under FakeTensorMode (fake_convolution.py), and the identity of
-the ``torch_kiln._C`` build that launches the kernels.
+strides under FakeTensorMode (fake_convolution.py), the identity of
+the ``torch_kiln._C`` build that launches the kernels, and the intra-op
+thread count the kernels are generated for.
 """
 
 from __future__ import annotations
@@ -48,4 +49,11 @@ class KilnCodegenPass(CustomGraphModulePass):
         return None
 
     def uuid(self) -> str:
-        return codegen_uuid()
+        # Inductor keys CPU graphs on the thread count their kernels are
+        # generated for (FxGraphHashDetails.cpp_runtime_thread_count) but not
+        # graphs without CPU tensors; kiln's kernels depend on it as CPU's do
+        # (Note [Generated kernels use at most their compile-time thread
+        # count] in kernels.py).
+        from torch._inductor.utils import parallel_num_threads
+
+        return f"{codegen_uuid()}:threads={parallel_num_threads()}"

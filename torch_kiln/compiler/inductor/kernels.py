@@ -138,6 +138,44 @@ def isolate_integer_division_flag(source: str) -> str:
             .replace(INTEGER_DIV_FLAG_SET, guard + INTEGER_DIV_FLAG_SET))
 
 
+# Note [Generated kernels use at most their compile-time thread count]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Kiln generates the C++ Inductor generates for CPU, decisions included:
+# which loops run in parallel (none for a small kernel), whether a reduction
+# splits across threads, and how many per-thread partial results it keeps
+# all follow the thread count T in force when the graph is compiled
+# (``parallel_num_threads()``, the compiling thread's torch.get_num_threads()),
+# so compiled kiln gives compiled CPU's bits at the same count. (Kiln used to
+# turn on ``cpp.dynamic_threads``, which opens a parallel region in every
+# kernel and splits every reduction by thread: other bits than CPU's, and a
+# barrier per tiny kernel.)
+#
+# A kernel runs on a stream worker whose OpenMP count is the launching
+# thread's torch.get_num_threads() (Note [Intra-op threads of kiln kernels]).
+# Dynamo compiles a function again when the caller's count changes (its
+# global-state guard), but not the backward graph compiled with it, which
+# autograd launches later with the count in force then. Where Inductor
+# writes a bare ``#pragma omp parallel`` (T is the machine's core count),
+# such a launch could run more threads than the kernel's per-thread arrays
+# have slots (T). Kiln's kernels cap the team at T:
+# ``num_threads(min(omp_get_max_threads(), T))``: a lower count reaches them
+# as it reaches CPU's, a higher one does not. Regions Inductor already fixes
+# (``num_threads(N)``) are left as Inductor wrote them. T is
+# part of kiln's cache key (cache_key.py).
+
+_BARE_PARALLEL = re.compile(r"^(\s*)#pragma omp parallel\s*$", re.MULTILINE)
+
+
+def cap_parallel_threads(source: str, threads: int) -> str:
+    """``source`` (one generated kernel) with each bare ``#pragma omp
+    parallel`` limited to ``threads``, the count it was generated for (Note
+    [Generated kernels use at most their compile-time thread count])."""
+    if threads < 1:
+        raise ValueError(f"kiln: a kernel generated for {threads} threads")
+    clause = f"num_threads(omp_get_max_threads() < {threads} ? omp_get_max_threads() : {threads})"
+    return _BARE_PARALLEL.sub(lambda m: f"{m.group(1)}#pragma omp parallel {clause}", source)
+
+
 def load_kernel(async_compile, name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
     """Compiles ``source`` (a generated kernel plus its trampoline) with
     Inductor's C++ code cache and returns a ``_GeneratedKernel`` named

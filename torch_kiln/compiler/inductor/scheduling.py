@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch._inductor import config
 from torch._inductor.codegen.cpp import CppScheduling
-from torch._inductor.utils import Placeholder, get_fused_kernel_name
+from torch._inductor.utils import Placeholder, get_fused_kernel_name, parallel_num_threads
 from torch._inductor.virtualized import V
 
 from torch_kiln.compiler.inductor import kernels
@@ -32,24 +32,10 @@ def _graph_name() -> str:
 
 
 class KilnScheduling(CppScheduling):
-    # Note [Intra-op threads of kiln kernels]: a kiln kernel runs on a stream
-    # worker with the launching thread's torch.get_num_threads(), set by the
-    # task before it runs. Inductor's C++ code fixes the count at compile time
-    # (`#pragma omp parallel num_threads(N)`) unless N is the machine's core
-    # count or cpp.dynamic_threads is on; kiln's kernels always take the
-    # count at run time (`#pragma omp parallel`), so torch.set_num_threads
-    # reaches compiled kernels as it reaches eager ones. Scoped to kiln's code
-    # generation, and part of the cache key through this file's hash
-    # (cache_key.py).
-    _kiln_config = {"cpp.dynamic_threads": True}
-
-    def codegen_node(self, node):
-        with config.patch(self._kiln_config):
-            return super().codegen_node(node)
-
-    def codegen_template(self, *args, **kwargs):
-        with config.patch(self._kiln_config):
-            return super().codegen_template(*args, **kwargs)
+    # Loop generation is CppScheduling's with Inductor's CPU settings, thread
+    # count included; define_kernel caps each parallel region at that count
+    # (Note [Generated kernels use at most their compile-time thread count]
+    # in kernels.py).
 
     def define_kernel(self, src_code, nodes, kernel_args=None):
         wrapper = V.graph.wrapper_code
@@ -64,6 +50,7 @@ class KilnScheduling(CppScheduling):
             .replace("#pragma CMT", "//")
         )
         source = kernels.isolate_integer_division_flag(source)
+        source = kernels.cap_parallel_threads(source, parallel_num_threads())
         args = self.kernel_group.args if kernel_args is None else kernel_args
         _, _, arg_types = args.cpp_argdefs()
         signature, trampoline = kernels.entry_trampoline(KERNEL_SYMBOL, arg_types)
