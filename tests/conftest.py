@@ -93,6 +93,14 @@ def _synchronize_after_test():
 
 
 @pytest.fixture
+def restore_threads():
+    """Puts torch.get_num_threads() back after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def fresh_compile(tmp_path, monkeypatch):
     """A private Inductor cache and reset Dynamo caches around one test, so
     a compiled test neither reuses another's graphs nor leaves its own."""

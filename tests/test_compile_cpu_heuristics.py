@@ -91,3 +91,29 @@ def test_realize_heuristics_read_kiln_as_cpu():
     assert ir.is_cpu(torch.device("kiln:0")) and ir.is_cpu(torch.device("kiln:1"))
     assert ir.is_cpu(torch.device("cpu"))
     assert not ir.is_cpu(torch.device("meta"))
+
+
+def column_sums(t):
+    # A reduction over the rows: Inductor splits 8192 of them across threads
+    # (one partial sum per thread) when it is compiled for two, not 64.
+    return (t * 2).sum(0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(64, 10), (8192, 64)])
+def test_kernels_are_cpus_for_the_compile_time_thread_count(restore_threads, threads, shape):
+    # Note [Generated kernels use at most their compile-time thread count]:
+    # the same parallel regions and reduction splits as Inductor on CPU at
+    # the same torch.get_num_threads(), so the same bits. (With Inductor's
+    # dynamic_threads, kiln opened a region in every kernel and split the
+    # (64, 10) column sum, a CNN's bias gradient, by thread: 1 ulp off CPU.)
+    torch.set_num_threads(threads)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    cpu_out, cpu_code = compiled_code(column_sums, x)
+    out, code = compiled_code(column_sums, x.to("kiln"))
+    assert out.device.type == "kiln"
+    assert torch.equal(out.cpu(), cpu_out)
+    assert code.count("#pragma omp parallel") == cpu_code.count("#pragma omp parallel")
+    assert code.count("_arr[tid]") == cpu_code.count("_arr[tid]")
+    if threads == 1:
+        assert "#pragma omp parallel" not in code

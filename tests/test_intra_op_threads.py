@@ -31,13 +31,6 @@ def _kernel_threads(stream=None):
     return threads, tid
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_kernels_run_on_a_worker_thread():
     _, tid = _kernel_threads()
     assert tid != threading.get_native_id()

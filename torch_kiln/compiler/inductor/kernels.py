@@ -170,8 +170,6 @@ def cap_parallel_threads(source: str, threads: int) -> str:
     """``source`` (one generated kernel) with each bare ``#pragma omp
     parallel`` limited to ``threads``, the count it was generated for (Note
     [Generated kernels use at most their compile-time thread count])."""
-    if threads < 1:
-        raise ValueError(f"kiln: a kernel generated for {threads} threads")
     clause = f"num_threads(omp_get_max_threads() < {threads} ? omp_get_max_threads() : {threads})"
     return _BARE_PARALLEL.sub(lambda m: f"{m.group(1)}#pragma omp parallel {clause}", source)
 
