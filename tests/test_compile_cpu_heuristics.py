@@ -117,3 +117,49 @@ def test_kernels_are_cpus_for_the_compile_time_thread_count(restore_threads, thr
     assert code.count("_arr[tid]") == cpu_code.count("_arr[tid]")
     if threads == 1:
         assert "#pragma omp parallel" not in code
+
+
+def divide_by_constants(x):
+    return x / 3.0, torch.div(x, 7), x.mean(0)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_division_by_a_constant_divides_as_on_cpu(device):
+    """x / 3.0 compiles to a division on kiln as on CPU, not to x * (1/3),
+    which Inductor writes for other devices and which rounds a third of
+    these elements differently: compiled kiln = compiled CPU (= eager for
+    the divisions; the mean's sum is Inductor's own)."""
+    x = torch.randn(4096, 3, generator=torch.Generator().manual_seed(0))
+    cpu_out, cpu_code = compiled_code(divide_by_constants, x)
+    out, code = compiled_code(divide_by_constants, x.to(device))
+    assert "0.3333333" not in code and "0.3333333" not in cpu_code
+    for kiln_value, cpu_value in zip(out, cpu_out):
+        assert kiln_value.device == torch.device(device)
+        assert torch.equal(kiln_value.cpu(), cpu_value)
+    eager = divide_by_constants(x)
+    assert torch.equal(out[0].cpu(), eager[0]) and torch.equal(out[1].cpu(), eager[1])
+
+
+def layer_norm_step(x, weight, bias):
+    x = x.detach().requires_grad_()
+    out = F.layer_norm(x, (x.shape[-1],), weight, bias)
+    (grad,) = torch.autograd.grad((out * out).sum(), x)
+    return out, grad
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("features", [128, 2048])
+def test_layer_norm_variance_is_computed_as_on_cpu(device, features):
+    """var_mean in two passes up to 1024 reduced elements and Welford's
+    algorithm above, as Inductor chooses on CPU (on other devices it chose
+    Welford from 9 elements on): compiled kiln's LayerNorm, forward and
+    backward, has compiled CPU's bits on both sides of the threshold."""
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(64, features, generator=g), torch.randn(features, generator=g), \
+        torch.randn(features, generator=g)
+    cpu_out, cpu_code = compiled_code(layer_norm_step, x, weight, bias)
+    out, code = compiled_code(layer_norm_step, *(t.to(device) for t in (x, weight, bias)))
+    assert ("welford" in code) == ("welford" in cpu_code) == (features > 1024)
+    for kiln_value, cpu_value in zip(out, cpu_out):
+        assert kiln_value.device == torch.device(device)
+        assert torch.equal(kiln_value.cpu(), cpu_value)

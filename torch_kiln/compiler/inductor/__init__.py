@@ -56,9 +56,10 @@ Triton kernels fit between CUDA's eager kernels:
 * Errors inside OpenMP regions: a C++ exception leaving ``#pragma omp
   parallel`` terminates the process, so kernels with an indirect-index check
   are built without OpenMP (``kernels.needs_serial_build``). Integer division
-  by zero uses Inductor's own error flag instead of throwing; that flag is a
-  global of the kernel's library, so the same kernel running at the same time
-  on two streams could misreport it (not handled yet).
+  by zero uses Inductor's own error flag instead of throwing; that flag is
+  one pointer for the whole process, so kernels that divide integers hold a
+  mutex around their use of it (Note [Inductor's integer-division flag on
+  kiln] in kernels.py).
 """
 
 from __future__ import annotations

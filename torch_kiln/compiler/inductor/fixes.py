@@ -119,9 +119,14 @@ def _fix_flush_before_deviceless_extern_calls() -> None:
 # and embedding backward) became serial atomic-add loops where CPU calls
 # ATen's parallel scatter_reduce_, and convolutions stayed NCHW where CPU
 # switches the graph to channels-last, leaving the fused pooling kernels
-# after them poorly vectorized. The fixes below give kiln the CPU answer at
+# after them poorly vectorized. Two of them change the bits as well: a
+# division by a constant became a multiplication by its reciprocal, and
+# LayerNorm's variance ran Welford's algorithm where CPU sums twice, so
+# compiled kiln differed from compiled CPU (and the division from eager).
+# The fixes below give kiln the CPU answer at
 # each such heuristic that changes only *how* the graph is computed (which
-# kernel, which layout, what to realize), never which operators run: the
+# kernel, which layout, what to realize, how a value is rounded), never
+# which operators run: the
 # mkldnn fusion passes, which rewrite graphs into CPU-only mkldnn operators,
 # stay off for kiln. A chip's backend would choose its own answers here.
 
@@ -186,6 +191,55 @@ def _fix_layout_optimization() -> None:
     GraphLowering.decide_layout_opt = staticmethod(decide_layout_opt)
 
 
+def _fix_division_by_constant() -> None:
+    # lowering.div_prim turns x / c (c a constant) into x * (1 / c) on every
+    # device but the CPU, which keeps the division for precision
+    # (pytorch/pytorch#157959). On kiln the product gave other bits than
+    # eager's division and compiled CPU's in a third of the elements of
+    # x / 3.0. Kiln keeps the division: the path CPU takes for every
+    # floating-point division. (Lowering-time only; the lowering is
+    # re-registered for prims.div and rebound for its callers by name.)
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import ops
+
+    original = lowering.div_prim
+
+    def truediv(a, b):
+        return ops.truediv(a, b)
+
+    def div_prim(a, b):
+        integral = all(lowering.is_boolean_type(x) or lowering.is_integer_type(x) for x in (a, b))
+        if not integral and isinstance(a, ir.IRNode) and ir.get_device_type(a) == "kiln":
+            return lowering.make_pointwise(truediv)(a, b)
+        return original(a, b)
+
+    lowering.div_prim = div_prim
+    lowering.register_lowering([lowering.prims.div], broadcast=True)(div_prim)
+
+
+def _fix_two_step_variance() -> None:
+    # lowering.use_two_step_variance decides whether var_mean (LayerNorm,
+    # BatchNorm, torch.var) sums mean and squared deviations in two passes
+    # or runs Welford's algorithm. The CPU uses two passes up to
+    # config.cpp.use_two_step_variance_threshold (1024) reduced elements,
+    # other devices only up to config.unroll_reductions_threshold (8): on
+    # kiln a LayerNorm over 128 features ran Welford and gave other bits than
+    # compiled CPU's. For kiln the CPU threshold stands in for the other one,
+    # the only difference between the two branches for float32 (a scoped
+    # config.patch, as Inductor's own pooling lowerings patch that threshold).
+    from torch._inductor import config, ir, lowering
+
+    original = lowering.use_two_step_variance
+
+    def use_two_step_variance(x, axis, keepdim, input_dtype):
+        if ir.get_device_type(x) != "kiln":
+            return original(x, axis, keepdim, input_dtype)
+        with config.patch(unroll_reductions_threshold=config.cpp.use_two_step_variance_threshold):
+            return original(x, axis, keepdim, input_dtype)
+
+    lowering.use_two_step_variance = use_two_step_variance
+
+
 def install() -> None:
     """Applies every fix (idempotent). Needs Inductor imported."""
     global _installed
@@ -202,5 +256,7 @@ def install() -> None:
     _fix_cpu_realize_heuristics()
     _fix_scatter_fallback()
     _fix_layout_optimization()
+    _fix_division_by_constant()
+    _fix_two_step_variance()
     _fix_flush_before_deviceless_extern_calls()
     _installed = True
