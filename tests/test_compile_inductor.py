@@ -438,6 +438,43 @@ def test_parallel_regions_are_capped_at_the_compile_time_count():
     assert "    # pragma omp parallel\n" in capped  # the GEMM template's, split by blocks
 
 
+def test_kernels_are_built_with_gccs_loop_vectorizer():
+    # Note [Kiln's kernels keep GCC's loop vectorizer]: Inductor's
+    # -fno-tree-loop-vectorize left at::vec's mask-to-bool store a byte loop.
+    from torch._inductor.cpp_builder import _is_gcc, get_cpp_compiler
+    from torch_kiln.compiler.inductor.kernels import loop_vectorizer_flags
+
+    expected = ("-ftree-loop-vectorize",) if _is_gcc(get_cpp_compiler()) else ()
+    assert loop_vectorizer_flags() == expected
+
+
+def comparisons_and_elementwise(x, b):
+    # Masks stored as bool (the loop the vectorizer speeds up), and
+    # elementwise math whose vector body and scalar tail must keep their bits.
+    y = x + b
+    return y <= 0, x > 0.5, torch.where(y > 0, y.exp(), y * 2) / 3, y.sigmoid() * y, (y * y).sum(-1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_vectorized_kernels_keep_cpus_bits(restore_threads, threads, dtype):
+    # Kiln builds Inductor's kernels with one more flag than CPU
+    # (-ftree-loop-vectorize): same source, same bits, masks equal to eager.
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 1031, generator=g).to(dtype)  # odd sizes: every kernel has a scalar tail
+    b = torch.randn(1031, generator=g).to(dtype)
+    torch._dynamo.reset()
+    cpu_out = torch.compile(comparisons_and_elementwise)(x, b)
+    torch._dynamo.reset()
+    kiln_out = torch.compile(comparisons_and_elementwise)(x.to("kiln"), b.to("kiln"))
+    for kiln_value, cpu_value in zip(kiln_out, cpu_out):
+        assert kiln_value.device.type == "kiln"
+        assert torch.equal(kiln_value.cpu(), cpu_value)
+    eager = comparisons_and_elementwise(x, b)
+    assert torch.equal(kiln_out[0].cpu(), eager[0]) and torch.equal(kiln_out[1].cpu(), eager[1])
+
+
 def test_the_cache_key_names_the_thread_count(restore_threads):
     from torch_kiln.compiler.inductor.cache_key import KilnCodegenPass
 

@@ -225,7 +225,7 @@ def _fix_two_step_variance() -> None:
     # other devices only up to config.unroll_reductions_threshold (8): on
     # kiln a LayerNorm over 128 features ran Welford and gave other bits than
     # compiled CPU's. For kiln the CPU threshold stands in for the other one,
-    # the only difference between the two branches for float32 (a scoped
+    # the only difference between the two branches kiln can take (a scoped
     # config.patch, as Inductor's own pooling lowerings patch that threshold).
     from torch._inductor import config, ir, lowering
 
