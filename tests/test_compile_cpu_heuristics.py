@@ -163,3 +163,35 @@ def test_layer_norm_variance_is_computed_as_on_cpu(device, features):
     for kiln_value, cpu_value in zip(out, cpu_out):
         assert kiln_value.device == torch.device(device)
         assert torch.equal(kiln_value.cpu(), cpu_value)
+
+
+def arg_reductions(x):
+    return (x.argmax(), x.argmin(), x.argmax(dim=None, keepdim=True),
+            (x * 2).transpose(0, 1).argmin())
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("layout", ["transposed", "channels_last", "sliced_transposed", "int64"])
+def test_argmax_without_dim_of_a_permuted_input_is_the_logical_index(device, layout):
+    """argmax/argmin over all dimensions of a non-contiguous input return the
+    row-major index, as eager and compiled CPU do. Kiln used to get memory
+    order's position (29 for 33 on a transposed (7, 5) input): a wrong
+    value without an error."""
+    g = torch.Generator().manual_seed(0)
+    base, view = {
+        "transposed": (torch.randn(7, 5, generator=g), lambda t: t.t()),
+        "channels_last": (torch.randn(2, 3, 4, 5, generator=g),
+                          lambda t: t.contiguous(memory_format=torch.channels_last)),
+        "sliced_transposed": (torch.randn(9, 12, generator=g), lambda t: t[1:, ::2].t()),
+        "int64": (torch.randperm(63, generator=g).reshape(7, 9), lambda t: t.t()),
+    }[layout]
+    x, kiln_x = view(base), view(base.to(device))
+    assert kiln_x.stride() == x.stride() and not x.is_contiguous()
+    torch._dynamo.reset()
+    cpu_out = torch.compile(arg_reductions, backend="kiln")(x)
+    torch._dynamo.reset()
+    out = torch.compile(arg_reductions, backend="kiln")(kiln_x)
+    for kiln_value, cpu_value, eager_value in zip(out, cpu_out, arg_reductions(x)):
+        assert kiln_value.device == torch.device(device)
+        assert torch.equal(kiln_value.cpu(), eager_value)
+        assert torch.equal(cpu_value, eager_value)

@@ -10,6 +10,7 @@ nothing is patched.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 _installed = False
@@ -123,6 +124,9 @@ def _fix_flush_before_deviceless_extern_calls() -> None:
 # division by a constant became a multiplication by its reciprocal, and
 # LayerNorm's variance ran Welford's algorithm where CPU sums twice, so
 # compiled kiln differed from compiled CPU (and the division from eager).
+# And one gave a wrong value: argmax/argmin over all dimensions of a
+# transposed input returned the position in memory order, because the
+# logical-index path is enabled only for Triton and device "cpu".
 # The fixes below give kiln the CPU answer at
 # each such heuristic that changes only *how* the graph is computed (which
 # kernel, which layout, what to realize, how a value is rounded), never
@@ -240,6 +244,44 @@ def _fix_two_step_variance() -> None:
     lowering.use_two_step_variance = use_two_step_variance
 
 
+def _fix_logical_index_argreduce() -> None:
+    # Silent wrong result, fixed here: lowering._make_reduction_inner makes
+    # argmax/argmin over several dimensions of a permuted or non-contiguous
+    # input return the *logical* (row-major) index only where it knows the
+    # code generator supports it: Triton, or device "cpu" with the C++
+    # backend. Kiln runs that same C++ backend but was not recognized, so
+    # `x.t().argmax()` returned the position in memory order instead (29 for
+    # 33 on a transposed (7, 5) input). For a kiln input the check is asked
+    # about "cpu" instead, only while this one call runs: its other
+    # decisions do not read the device type.
+    from torch._inductor import ir, lowering
+
+    original = lowering._make_reduction_inner
+    argreduce = {"argmax", "argmin", "argmax_value", "argmin_value", "argmax_with_value",
+                 "argmin_with_value"}
+
+    def kiln_as_cpu(x):
+        device_type = original_get_device_type(x)
+        return "cpu" if device_type == "kiln" else device_type
+
+    original_get_device_type = ir.get_device_type
+
+    def _make_reduction_inner(x, *, axis, keepdims, dtype, override_return_dtype,
+                              reduction_type=None):
+        call = functools.partial(original, x, axis=axis, keepdims=keepdims, dtype=dtype,
+                                 override_return_dtype=override_return_dtype,
+                                 reduction_type=reduction_type)
+        if reduction_type not in argreduce or original_get_device_type(x) != "kiln":
+            return call()
+        ir.get_device_type = kiln_as_cpu
+        try:
+            return call()
+        finally:
+            ir.get_device_type = original_get_device_type
+
+    lowering._make_reduction_inner = _make_reduction_inner
+
+
 def install() -> None:
     """Applies every fix (idempotent). Needs Inductor imported."""
     global _installed
@@ -258,5 +300,6 @@ def install() -> None:
     _fix_layout_optimization()
     _fix_division_by_constant()
     _fix_two_step_variance()
+    _fix_logical_index_argreduce()
     _fix_flush_before_deviceless_extern_calls()
     _installed = True
