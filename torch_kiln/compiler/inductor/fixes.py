@@ -252,19 +252,21 @@ def _fix_logical_index_argreduce() -> None:
     # backend. Kiln runs that same C++ backend but was not recognized, so
     # `x.t().argmax()` returned the position in memory order instead (29 for
     # 33 on a transposed (7, 5) input). For a kiln input the check is asked
-    # about "cpu" instead, only while this one call runs: its other
-    # decisions do not read the device type.
+    # about "cpu" instead, only while this one call runs (ir.get_device_type
+    # swapped for its duration; lowering runs under Dynamo's compile lock).
+    # Any other device check inside that call also sees kiln as "cpu",
+    # which is the answer the other fixes here give.
     from torch._inductor import ir, lowering
 
     original = lowering._make_reduction_inner
     argreduce = {"argmax", "argmin", "argmax_value", "argmin_value", "argmax_with_value",
                  "argmin_with_value"}
 
+    original_get_device_type = ir.get_device_type
+
     def kiln_as_cpu(x):
         device_type = original_get_device_type(x)
         return "cpu" if device_type == "kiln" else device_type
-
-    original_get_device_type = ir.get_device_type
 
     def _make_reduction_inner(x, *, axis, keepdims, dtype, override_return_dtype,
                               reduction_type=None):
