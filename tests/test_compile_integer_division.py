@@ -74,3 +74,27 @@ def test_dividing_and_other_kernels_on_two_devices_at_once():
         torch.kiln.synchronize(0)
     for out in outs:
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_truncation_division_gives_eagers_quotients_and_raises_on_zero(dtype, dynamic):
+    """torch.div(a, b, rounding_mode="trunc") on integers: Inductor writes a
+    bare `a / b`, which killed the process with SIGFPE on a zero divisor (on
+    CPU too). Kiln computes it from the checked floor division: eager's
+    quotients, and ZeroDivisionError at synchronization."""
+    fn = torch.compile(lambda a, b: torch.div(a, b, rounding_mode="trunc"), dynamic=dynamic)
+    g = torch.Generator().manual_seed(0)
+    low, high = {torch.uint8: (0, 256), torch.int8: (-128, 128)}.get(dtype, (-1000, 1000))
+    a = torch.randint(low, high, (1037,), dtype=dtype, generator=g)  # odd size: a scalar tail
+    b = torch.randint(low, high, (1037,), dtype=dtype, generator=g)
+    b[b == 0] = 7
+    out = fn(a.to("kiln"), b.to("kiln"))
+    assert out.dtype == dtype
+    assert torch.equal(out.cpu(), torch.div(a, b, rounding_mode="trunc"))
+    b[3] = 0
+    fn(a.to("kiln"), b.to("kiln"))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch.kiln.synchronize()
+    b[3] = 7
+    assert torch.equal(fn(a.to("kiln"), b.to("kiln")).cpu(), torch.div(a, b, rounding_mode="trunc"))

@@ -284,6 +284,46 @@ def _fix_logical_index_argreduce() -> None:
     lowering._make_reduction_inner = _make_reduction_inner
 
 
+def _fix_integer_truncation_division() -> None:
+    # Inductor's C++ writes integer truncation division
+    # (torch.div(a, b, rounding_mode="trunc") on integers) as a bare
+    # `a / b`, with none of the zero check its floor division and remainder
+    # helpers make: a zero divisor killed the process with SIGFPE (on CPU
+    # too). For kiln it is computed from the checked floor division, which
+    # reports a zero divisor as ZeroDivisionError at the next
+    # synchronization (Note [Inductor's integer-division flag on kiln]):
+    # trunc(a / b) = floor(a / b) + 1 when the remainder r = a - floor * b
+    # is not 0 and a and b have opposite signs, else floor(a / b). Every
+    # nonzero divisor gives eager's quotient.
+    import torch
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import ops
+
+    original = lowering.truncdiv
+
+    def truncdiv(a, b):
+        if not (isinstance(a, ir.IRNode) and ir.get_device_type(a) == "kiln"):
+            return original(a, b)
+        dtype = a.get_dtype()
+        # 8- and 16-bit integers are computed in int32 (exact; Inductor's
+        # vector masks of int8 did not compile in this formula).
+        compute = torch.int32 if dtype.itemsize < 4 else dtype
+
+        def checked(x, y):
+            x, y = ops.to_dtype(x, compute), ops.to_dtype(y, compute)
+            floor = ops.floordiv(x, y)
+            remainder = ops.sub(x, ops.mul(floor, y))
+            zero, one = ops.constant(0, compute), ops.constant(1, compute)
+            opposite_signs = ops.ne(ops.lt(x, zero), ops.lt(y, zero))
+            inexact = ops.ne(remainder, zero)
+            quotient = ops.add(floor, ops.where(ops.and_(inexact, opposite_signs), one, zero))
+            return ops.to_dtype(quotient, dtype)
+
+        return lowering.make_pointwise(checked)(a, b)
+
+    lowering.truncdiv = truncdiv
+
+
 def install() -> None:
     """Applies every fix (idempotent). Needs Inductor imported."""
     global _installed
@@ -303,5 +343,6 @@ def install() -> None:
     _fix_division_by_constant()
     _fix_two_step_variance()
     _fix_logical_index_argreduce()
+    _fix_integer_truncation_division()
     _fix_flush_before_deviceless_extern_calls()
     _installed = True
