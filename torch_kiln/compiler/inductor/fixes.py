@@ -302,9 +302,10 @@ def _fix_integer_truncation_division() -> None:
     original = lowering.truncdiv
 
     def truncdiv(a, b):
-        if not (isinstance(a, ir.IRNode) and ir.get_device_type(a) == "kiln"):
+        tensors = [x for x in (a, b) if isinstance(x, ir.IRNode)]
+        if not tensors or ir.get_device_type(tensors[0]) != "kiln":
             return original(a, b)
-        dtype = a.get_dtype()
+        dtype = tensors[0].get_dtype()
         # 8- and 16-bit integers are computed in int32 (exact; Inductor's
         # vector masks of int8 did not compile in this formula).
         compute = torch.int32 if dtype.itemsize < 4 else dtype
