@@ -98,3 +98,12 @@ def test_truncation_division_gives_eagers_quotients_and_raises_on_zero(dtype, dy
         torch.kiln.synchronize()
     b[3] = 7
     assert torch.equal(fn(a.to("kiln"), b.to("kiln")).cpu(), torch.div(a, b, rounding_mode="trunc"))
+
+
+def test_truncation_division_of_a_python_number_by_a_kiln_tensor():
+    fn = torch.compile(lambda b: torch.div(7, b, rounding_mode="trunc"))
+    b = torch.tensor([3, -2, 1, 5, -7, 4])
+    assert torch.equal(fn(b.to("kiln")).cpu(), torch.div(7, b, rounding_mode="trunc"))
+    fn(torch.tensor([3, 0], device="kiln"))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch.kiln.synchronize()
