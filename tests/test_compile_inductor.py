@@ -438,14 +438,28 @@ def test_parallel_regions_are_capped_at_the_compile_time_count():
     assert "    # pragma omp parallel\n" in capped  # the GEMM template's, split by blocks
 
 
-def test_kernels_are_built_with_gccs_loop_vectorizer():
-    # Note [Kiln's kernels keep GCC's loop vectorizer]: Inductor's
-    # -fno-tree-loop-vectorize left at::vec's mask-to-bool store a byte loop.
+def test_kernels_are_built_with_gccs_loop_vectorizer(monkeypatch):
+    # Note [Kiln's kernels keep GCC's loop vectorizer]: Inductor's own flags
+    # turn GCC's loop vectorizer off; the kernel loader passes the flag that
+    # turns it back on (after Inductor's, so it wins) to Inductor's C++ cache.
+    import torch._inductor.async_compile as async_compile
+    from torch._inductor.codecache import CppCodeCache
     from torch._inductor.cpp_builder import _is_gcc, get_cpp_compiler
-    from torch_kiln.compiler.inductor.kernels import loop_vectorizer_flags
+    from torch_kiln.compiler.inductor import kernels
 
-    expected = ("-ftree-loop-vectorize",) if _is_gcc(get_cpp_compiler()) else ()
-    assert loop_vectorizer_flags() == expected
+    if not _is_gcc(get_cpp_compiler()):
+        pytest.skip("Inductor compiles with clang here, which it leaves vectorizing")
+    passed = []
+
+    def load(source, extra_flags=(), **kwargs):
+        passed.append(tuple(extra_flags))
+        raise RuntimeError("stop before compiling")
+
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 1)
+    monkeypatch.setattr(CppCodeCache, "load", load)
+    with pytest.raises(RuntimeError, match="stop before compiling"):
+        kernels.load_kernel(None, "k", "", 'extern "C" void kernel_kiln_entry(const int64_t*) {}')
+    assert passed == [("-ftree-loop-vectorize",)]
 
 
 def comparisons_and_elementwise(x, b):

@@ -10,7 +10,6 @@ nothing is patched.
 
 from __future__ import annotations
 
-import functools
 import sys
 
 _installed = False
@@ -25,6 +24,20 @@ def _replace_everywhere(original, replacement) -> None:
         for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, replacement)
+
+
+def _on_kiln(*values) -> bool:
+    """Whether the first IR node among ``values`` (lowering arguments: IR
+    nodes or Python numbers) is on a kiln device. Reads the node's device,
+    not ``ir.get_device_type``, which ``_fix_logical_index_argreduce`` swaps
+    for the length of one call."""
+    from torch._inductor import ir
+
+    for value in values:
+        if isinstance(value, ir.IRNode):
+            device = value.get_device()
+            return device is not None and device.type == "kiln"
+    return False
 
 
 def _fix_get_current_backend() -> None:
@@ -203,7 +216,7 @@ def _fix_division_by_constant() -> None:
     # x / 3.0. Kiln keeps the division: the path CPU takes for every
     # floating-point division. (Lowering-time only; the lowering is
     # re-registered for prims.div and rebound for its callers by name.)
-    from torch._inductor import ir, lowering
+    from torch._inductor import lowering
     from torch._inductor.virtualized import ops
 
     original = lowering.div_prim
@@ -213,7 +226,7 @@ def _fix_division_by_constant() -> None:
 
     def div_prim(a, b):
         integral = all(lowering.is_boolean_type(x) or lowering.is_integer_type(x) for x in (a, b))
-        if not integral and isinstance(a, ir.IRNode) and ir.get_device_type(a) == "kiln":
+        if not integral and _on_kiln(a):
             return lowering.make_pointwise(truediv)(a, b)
         return original(a, b)
 
@@ -231,12 +244,12 @@ def _fix_two_step_variance() -> None:
     # compiled CPU's. For kiln the CPU threshold stands in for the other one,
     # the only difference between the two branches kiln can take (a scoped
     # config.patch, as Inductor's own pooling lowerings patch that threshold).
-    from torch._inductor import config, ir, lowering
+    from torch._inductor import config, lowering
 
     original = lowering.use_two_step_variance
 
     def use_two_step_variance(x, axis, keepdim, input_dtype):
-        if ir.get_device_type(x) != "kiln":
+        if not _on_kiln(x):
             return original(x, axis, keepdim, input_dtype)
         with config.patch(unroll_reductions_threshold=config.cpp.use_two_step_variance_threshold):
             return original(x, axis, keepdim, input_dtype)
@@ -268,16 +281,12 @@ def _fix_logical_index_argreduce() -> None:
         device_type = original_get_device_type(x)
         return "cpu" if device_type == "kiln" else device_type
 
-    def _make_reduction_inner(x, *, axis, keepdims, dtype, override_return_dtype,
-                              reduction_type=None):
-        call = functools.partial(original, x, axis=axis, keepdims=keepdims, dtype=dtype,
-                                 override_return_dtype=override_return_dtype,
-                                 reduction_type=reduction_type)
-        if reduction_type not in argreduce or original_get_device_type(x) != "kiln":
-            return call()
+    def _make_reduction_inner(x, **kwargs):  # Inductor passes all but x by keyword
+        if kwargs.get("reduction_type") not in argreduce or not _on_kiln(x):
+            return original(x, **kwargs)
         ir.get_device_type = kiln_as_cpu
         try:
-            return call()
+            return original(x, **kwargs)
         finally:
             ir.get_device_type = original_get_device_type
 
@@ -302,10 +311,9 @@ def _fix_integer_truncation_division() -> None:
     original = lowering.truncdiv
 
     def truncdiv(a, b):
-        tensors = [x for x in (a, b) if isinstance(x, ir.IRNode)]
-        if not tensors or ir.get_device_type(tensors[0]) != "kiln":
+        if not _on_kiln(a, b):
             return original(a, b)
-        dtype = tensors[0].get_dtype()
+        dtype = next(x for x in (a, b) if isinstance(x, ir.IRNode)).get_dtype()
         # 8- and 16-bit integers are computed in int32 (exact; Inductor's
         # vector masks of int8 did not compile in this formula).
         compute = torch.int32 if dtype.itemsize < 4 else dtype
