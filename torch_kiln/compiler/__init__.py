@@ -11,6 +11,9 @@ What lives here:
   reasons, recompilations, compile seconds), read from Dynamo's own counters.
 * ``fake_convolution``: FakeTensorMode gives kiln convolutions the output
   strides of CPU's kernel, which kiln runs.
+* ``normalization``: LayerNorm, BatchNorm and GroupNorm rules (fake and
+  Inductor's decompositions) take their CPU branch for kiln tensors, whose
+  kernels are CPU's.
 * ``inductor``: Inductor for kiln (not imported from here: it registers
   itself when Inductor first looks up the kiln backend, through Inductor's
   PrivateUse1 hook on ``torch.kiln``, or from ``backend="kiln"``).
@@ -84,17 +87,18 @@ def _register_trace_rules() -> None:
     trace_rules.add("torch_kiln.kiln.random")
 
 
-def _register_fake_convolution() -> None:
-    from torch_kiln.compiler.fake_convolution import register
+def _register_fake_rules() -> None:
+    from torch_kiln.compiler import fake_convolution, normalization
 
-    register()
+    fake_convolution.register()
+    normalization.register_fake_rules()
 
 
 _AFTER_IMPORT = {
     "torch._dynamo.device_interface": _register_device_interface,
     "torch._dynamo.trace_rules": _register_trace_rules,
     # Loaded by `import torch` today, so this runs when torch_kiln loads.
-    "torch._subclasses.fake_impls": _register_fake_convolution,
+    "torch._subclasses.fake_impls": _register_fake_rules,
 }
 _lock = threading.Lock()
 _done: set[str] = set()

@@ -10,7 +10,8 @@ device backend's part of the key is the ``device_custom_pass`` of
 (``FxGraphHashDetails.custom_backend_passes``). ``KilnCodegenPass`` leaves
 the graph unchanged and its uuid hashes kiln's code generator: the sources of
 this package, the compiler package's DeviceInterface and convolution
-strides under FakeTensorMode (fake_convolution.py), the identity of
+strides under FakeTensorMode (fake_convolution.py), the normalization
+rules (normalization.py), the identity of
 the ``torch_kiln._C`` build that launches the kernels, and the intra-op
 thread count the kernels are generated for.
 """
@@ -35,6 +36,8 @@ def codegen_uuid() -> str:
     files.append(str(here.parent / "device_interface.py"))
     # Output strides of kiln convolutions in the traced graph.
     files.append(str(here.parent / "fake_convolution.py"))
+    # Normalization rules and decompositions (CPU's branch on kiln).
+    files.append(str(here.parent / "normalization.py"))
     files = [f for f in files if os.path.exists(f)]
     stat = os.stat(torch_kiln._C.__file__)
     build = f"{torch_kiln._C.__file__}:{stat.st_size}:{stat.st_mtime_ns}".encode()

@@ -10,6 +10,7 @@ nothing is patched.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 _installed = False
@@ -29,8 +30,8 @@ def _replace_everywhere(original, replacement) -> None:
 def _on_kiln(*values) -> bool:
     """Whether the first IR node among ``values`` (lowering arguments: IR
     nodes or Python numbers) is on a kiln device. Reads the node's device,
-    not ``ir.get_device_type``, which ``_fix_logical_index_argreduce`` swaps
-    for the length of one call."""
+    not ``ir.get_device_type``, which ``_kiln_answers_cpu_device_checks``
+    swaps for the length of one call."""
     from torch._inductor import ir
 
     for value in values:
@@ -38,6 +39,27 @@ def _on_kiln(*values) -> bool:
             device = value.get_device()
             return device is not None and device.type == "kiln"
     return False
+
+
+@contextlib.contextmanager
+def _kiln_answers_cpu_device_checks():
+    """While the block runs, ``ir.get_device_type`` answers "cpu" for a kiln
+    node: every device check in the one lowering call it wraps takes the CPU
+    branch, which is the answer the other fixes here give. Lowering runs
+    under Dynamo's compile lock, one graph at a time."""
+    from torch._inductor import ir
+
+    original = ir.get_device_type
+
+    def kiln_as_cpu(x):
+        device_type = original(x)
+        return "cpu" if device_type == "kiln" else device_type
+
+    ir.get_device_type = kiln_as_cpu
+    try:
+        yield
+    finally:
+        ir.get_device_type = original
 
 
 def _fix_get_current_backend() -> None:
@@ -269,28 +291,46 @@ def _fix_logical_index_argreduce() -> None:
     # swapped for its duration; lowering runs under Dynamo's compile lock).
     # Any other device check inside that call also sees kiln as "cpu",
     # which is the answer the other fixes here give.
-    from torch._inductor import ir, lowering
+    from torch._inductor import lowering
 
     original = lowering._make_reduction_inner
     argreduce = {"argmax", "argmin", "argmax_value", "argmin_value", "argmax_with_value",
                  "argmin_with_value"}
 
-    original_get_device_type = ir.get_device_type
-
-    def kiln_as_cpu(x):
-        device_type = original_get_device_type(x)
-        return "cpu" if device_type == "kiln" else device_type
-
     def _make_reduction_inner(x, **kwargs):  # Inductor passes all but x by keyword
         if kwargs.get("reduction_type") not in argreduce or not _on_kiln(x):
             return original(x, **kwargs)
-        ir.get_device_type = kiln_as_cpu
-        try:
+        with _kiln_answers_cpu_device_checks():
             return original(x, **kwargs)
-        finally:
-            ir.get_device_type = original_get_device_type
 
     lowering._make_reduction_inner = _make_reduction_inner
+
+
+def _fix_convolution_bias() -> None:
+    # Inductor's convolution lowering takes a convolution's bias out of the
+    # extern call and adds it in a generated kernel on every device but
+    # "cpu" ("cudnn is slower with it"). ATen's CPU convolution, which kiln
+    # runs, adds the bias itself: in float16/bfloat16 the separate add
+    # rounds the convolution's output once more, so compiled kiln differed
+    # from compiled CPU and from eager (1 ulp in a third of a float16
+    # Conv2d's outputs), and it costs a pass over the output. For a kiln
+    # input the lowering is asked about "cpu" while it runs (the only other
+    # device check in it is for "xpu").
+    from torch._inductor import lowering
+    from torch._inductor.kernel import conv
+
+    original = conv.convolution
+
+    def convolution(x, weight, bias, *args, **kwargs):
+        if bias is None or not _on_kiln(x):
+            return original(x, weight, bias, *args, **kwargs)
+        with _kiln_answers_cpu_device_checks():
+            return original(x, weight, bias, *args, **kwargs)
+
+    for op, fn in list(lowering.lowerings.items()):
+        if fn is original:
+            lowering.lowerings[op] = convolution
+    conv.convolution = convolution  # aten._convolution's lowering calls it
 
 
 def _fix_integer_truncation_division() -> None:
@@ -352,6 +392,11 @@ def install() -> None:
     _fix_division_by_constant()
     _fix_two_step_variance()
     _fix_logical_index_argreduce()
+    _fix_convolution_bias()
     _fix_integer_truncation_division()
     _fix_flush_before_deviceless_extern_calls()
+    # Note [Kiln's normalization statistics are CPU's]
+    from torch_kiln.compiler.normalization import register_decompositions
+
+    register_decompositions()
     _installed = True
