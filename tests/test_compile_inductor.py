@@ -206,6 +206,41 @@ def test_index_out_of_range_raises_at_synchronize_and_later_work_runs():
     assert_close(again, x[torch.tensor([7, 0], device="kiln")] * 2)
 
 
+# Each: (name, fn(x, bad_index), what eager raises). x is (5, 3); bad_index
+# holds a 9 (out of range) and has the shape the operator wants.
+EAGER_INDEX_ERRORS = [
+    ("gather", lambda x, i: torch.gather(x, 0, i.view(1, 3)), RuntimeError),
+    ("scatter", lambda x, i: x.scatter(0, i.view(1, 3), 1.0), RuntimeError),
+    ("index_add", lambda x, i: x.index_add(0, i[:2], torch.ones_like(x[:2])), RuntimeError),
+    ("index", lambda x, i: x[i] * 2, IndexError),
+    ("index_select", lambda x, i: x.index_select(0, i), IndexError),
+    ("embedding", lambda x, i: torch.nn.functional.embedding(i, x), IndexError),
+    ("index_copy", lambda x, i: x.index_copy(0, i[:2], torch.ones_like(x[:2])), IndexError),
+]
+
+
+@pytest.mark.parametrize("name,fn,error", EAGER_INDEX_ERRORS, ids=[c[0] for c in EAGER_INDEX_ERRORS])
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_index_out_of_range_raises_what_eager_raises(name, fn, error, device):
+    """Note [Index errors of compiled kernels]: eager gather, scatter and
+    index_add raise RuntimeError, indexing raises IndexError; the compiled
+    kernel raises the same class (not a subclass of the other) at the
+    synchronization, and the device works afterwards."""
+    x = torch.randn(5, 3, device=device)
+    bad = torch.tensor([0, 9, 1], device=device)
+    with pytest.raises(error) as eager:
+        fn(x, bad)
+        torch.kiln.synchronize(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    with pytest.raises(error, match="index out of bounds") as raised:
+        compiled(x, bad)
+        torch.kiln.synchronize(device)
+    assert type(raised.value) is type(eager.value), (name, raised.value)
+    good = torch.tensor([0, 4, 1], device=device)
+    assert_close(compiled(x, good), fn(x, good))
+
+
 def test_launcher_rejects_bad_arguments_before_launching():
     from torch_kiln import _C
 

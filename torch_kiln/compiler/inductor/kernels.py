@@ -82,6 +82,36 @@ extern "C" void {kernel_name}{ENTRY_SUFFIX}(const int64_t* packed) {{
 INDEX_CHECK_MARKER = "index out of bounds:"
 
 
+# Note [Index errors of compiled kernels]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor's check is a TORCH_CHECK, a RuntimeError, whichever operator the
+# index came from (compiled CPU raises RuntimeError for all of them). Eager
+# ATen raises IndexError for indexing (`x[i]`, index_select, embedding,
+# take, index_put, index_copy, index_fill, index_reduce) and RuntimeError
+# for gather, scatter, scatter_add, scatter_reduce and index_add. A compiled
+# kiln kernel raises what eager raises for the operators it was generated
+# from: the launch converts the check's error to IndexError
+# (GeneratedKernelCall::index_check_raises_index_error, torch_kiln/csrc/
+# aten/GeneratedKernels.h) unless every indexing operator among them is one
+# whose eager check is a RuntimeError. (The kernel cannot throw IndexError
+# itself: its shared library does not link c10's exception types.) Either
+# way the error is raised at the next synchronization, as an eager
+# kernel's (tests/test_compile_inductor.py).
+_RUNTIME_ERROR_INDEXING_OPS = frozenset(
+    {"gather", "scatter", "scatter_add", "scatter_reduce", "index_add"})
+_INDEX_ERROR_INDEXING_OPS = frozenset(
+    {"index", "_unsafe_index", "index_select", "embedding", "take", "index_put",
+     "_unsafe_index_put", "index_copy", "index_fill", "index_reduce"})
+
+
+def index_check_raises_index_error(origin_ops: set[str]) -> bool:
+    """Whether a kernel generated from the aten operators named in
+    ``origin_ops`` (e.g. ``{"gather", "add"}``) raises IndexError from its
+    index checks (False: RuntimeError, as eager gather and scatter)."""
+    return not (origin_ops & _RUNTIME_ERROR_INDEXING_OPS) or bool(
+        origin_ops & _INDEX_ERROR_INDEXING_OPS)
+
+
 def needs_serial_build(source: str) -> bool:
     """Whether ``source`` must be built without OpenMP.
 
@@ -202,7 +232,8 @@ def loop_vectorizer_flags() -> tuple[str, ...]:
     return ("-ftree-loop-vectorize",) if _is_gcc(get_cpp_compiler()) else ()
 
 
-def load_kernel(async_compile, name: str, signature: str, source: str, entry: str = "kernel" + ENTRY_SUFFIX):
+def load_kernel(async_compile, name: str, signature: str, source: str,
+                entry: str = "kernel" + ENTRY_SUFFIX, index_error: bool = True):
     """Compiles ``source`` (a generated kernel plus its trampoline) with
     Inductor's C++ code cache and returns a ``_GeneratedKernel`` named
     ``name`` launching its function ``entry``.
@@ -211,8 +242,10 @@ def load_kernel(async_compile, name: str, signature: str, source: str, entry: st
     than one compile thread (``torch._inductor.config.compile_threads``) the
     compilation runs in Inductor's compile workers, as CPU kernels' do, and
     this returns a future that the module's ``async_compile.wait(globals())``
-    resolves. Raises what Inductor's C++ compilation raises
-    (``CppCompileError``) if the source does not compile."""
+    resolves. ``index_error=False`` keeps the kernel's index checks
+    RuntimeErrors (Note [Index errors of compiled kernels]). Raises what
+    Inductor's C++ compilation raises (``CppCompileError``) if the source
+    does not compile."""
     from torch._inductor.async_compile import get_compile_threads
     from torch._inductor.codecache import CppCodeCache, LambdaFuture
 
@@ -221,7 +254,8 @@ def load_kernel(async_compile, name: str, signature: str, source: str, entry: st
 
     def make(library):
         address = ctypes.cast(getattr(library, entry), ctypes.c_void_p).value
-        return _C._GeneratedKernel(name, address, signature)
+        return _C._GeneratedKernel(name, address, signature,
+                                   index_check_raises_index_error=index_error)
 
     if get_compile_threads() <= 1:
         return make(CppCodeCache.load(source, extra_flags=extra_flags))

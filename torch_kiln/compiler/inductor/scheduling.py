@@ -31,6 +31,22 @@ def _graph_name() -> str:
     return get_aot_graph_name()
 
 
+def _origin_ops(nodes) -> set[str]:
+    """Names of the aten operators (``"gather"``, ``"add"``) the scheduler
+    ``nodes`` of one kernel come from: the operator the program called
+    (``original_aten``, e.g. index_add) where Inductor recorded it, else
+    the one in the decomposed graph (e.g. index_put)."""
+    names = set()
+    for node in nodes:
+        for inner in node.get_nodes():
+            for origin in getattr(inner.node, "origins", ()) or ():
+                op = origin.meta.get("original_aten") or origin.target
+                packet = getattr(op, "_overloadpacket", None)
+                if packet is not None:
+                    names.add(packet.__name__)
+    return names
+
+
 class KilnScheduling(CppScheduling):
     # Loop generation is CppScheduling's with Inductor's CPU settings, thread
     # count included; define_kernel caps each parallel region at that count
@@ -58,6 +74,11 @@ class KilnScheduling(CppScheduling):
         # in compiled graph model__0_forward_1" (AOTAutograd's graph name,
         # as TORCH_LOGS=output_code shows it).
         label = f"{kernel_name} in compiled graph {_graph_name()}"
-        body = f"kiln_cpp_kernel(async_compile, {label!r}, {signature!r}, r'''\n{source}\n{trampoline}''')"
+        index_error = ""
+        if kernels.INDEX_CHECK_MARKER in source and not kernels.index_check_raises_index_error(
+                _origin_ops(nodes)):
+            index_error = ", index_error=False"  # Note [Index errors of compiled kernels]
+        body = (f"kiln_cpp_kernel(async_compile, {label!r}, {signature!r}, "
+                f"r'''\n{source}\n{trampoline}'''{index_error})")
         wrapper.define_kernel(kernel_name, body, gpu=False)
         return kernel_name

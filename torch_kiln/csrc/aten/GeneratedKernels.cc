@@ -52,9 +52,12 @@ struct GeneratedKernelTask final : TaskBody {
     } catch (const std::exception& e) {
       const std::string message = c10::kiln::kernelErrorMessageOf(e);
       markWritten(call.written_storages, std::string(call.name) + ": " + message);
-      // Inductor's indirect-index check is a plain TORCH_CHECK; eager kiln
-      // (and CPU) raise IndexError for the same bad index.
-      if (message.find(kIndexCheckMarker) != std::string::npos &&
+      // Inductor's indirect-index check is a plain TORCH_CHECK; eager
+      // indexing raises IndexError for the same bad index, eager gather and
+      // scatter RuntimeError (Note [Index errors of compiled kernels] in
+      // torch_kiln/compiler/inductor/kernels.py).
+      if (call.index_check_raises_index_error &&
+          message.find(kIndexCheckMarker) != std::string::npos &&
           dynamic_cast<const c10::IndexError*>(&e) == nullptr) {
         TORCH_CHECK_INDEX(false, message);
       }

@@ -60,6 +60,11 @@ struct GeneratedKernelCall {
   // Count each launch in torch.kiln.get_executed_ops() under `name` (custom
   // kernels, torch_kiln.kernels; compiled kernels are not ops).
   bool counted_as_op = false;
+  // Inductor's indirect-index check (a TORCH_CHECK whose message holds
+  // "index out of bounds:") raises IndexError, as eager indexing does; false
+  // keeps it a RuntimeError, as eager gather and scatter (Note [Index errors
+  // of compiled kernels] in torch_kiln/compiler/inductor/kernels.py).
+  bool index_check_raises_index_error = true;
 };
 
 // A stable copy of `name` that lives for the rest of the process.

@@ -36,13 +36,15 @@ namespace {
 class GeneratedKernel {
  public:
   GeneratedKernel(const std::string& name, uintptr_t entry, std::string signature,
-                  const std::optional<std::string>& description, bool counted_as_op)
+                  const std::optional<std::string>& description, bool counted_as_op,
+                  bool index_check_raises_index_error)
       : name_(at::kiln::internKernelName(name)),
         entry_(reinterpret_cast<at::kiln::GeneratedKernelEntry>(entry)),
         signature_(std::move(signature)),
         description_(description ? at::kiln::internKernelName(*description)
                                  : at::kiln::GeneratedKernelCall{}.description),
-        counted_as_op_(counted_as_op) {
+        counted_as_op_(counted_as_op),
+        index_check_raises_index_error_(index_check_raises_index_error) {
     TORCH_CHECK_VALUE(entry != 0, "kiln: compiled kernel ", name, " has no entry point");
     for (char kind : signature_) {
       TORCH_CHECK_VALUE(kind == 'r' || kind == 'w' || kind == 'i' || kind == 'f',
@@ -61,6 +63,7 @@ class GeneratedKernel {
     call.name = name_;
     call.description = description_;
     call.counted_as_op = counted_as_op_;
+    call.index_check_raises_index_error = index_check_raises_index_error_;
     call.packed.reserve(signature_.size());
     std::vector<size_t> host_scalar_slots; // indices into call.packed
     for (size_t i = 0; i < signature_.size(); ++i) {
@@ -140,6 +143,7 @@ class GeneratedKernel {
   std::string signature_;
   const char* description_;
   bool counted_as_op_;
+  bool index_check_raises_index_error_;
 };
 
 } // namespace
@@ -147,9 +151,10 @@ class GeneratedKernel {
 void bindGeneratedKernels(py::module& m) {
   py::class_<GeneratedKernel>(m, "_GeneratedKernel")
       .def(py::init<const std::string&, uintptr_t, std::string,
-                    const std::optional<std::string>&, bool>(),
+                    const std::optional<std::string>&, bool, bool>(),
            py::arg("name"), py::arg("entry"), py::arg("signature"),
-           py::arg("description") = py::none(), py::arg("counted_as_op") = false)
+           py::arg("description") = py::none(), py::arg("counted_as_op") = false,
+           py::arg("index_check_raises_index_error") = true)
       .def("launch", &GeneratedKernel::call)
       .def_property_readonly("name", &GeneratedKernel::name)
       .def_property_readonly("signature", &GeneratedKernel::signature);
