@@ -211,7 +211,6 @@ def test_index_out_of_range_raises_at_synchronize_and_later_work_runs():
 EAGER_INDEX_ERRORS = [
     ("gather", lambda x, i: torch.gather(x, 0, i.view(1, 3)), RuntimeError),
     ("scatter", lambda x, i: x.scatter(0, i.view(1, 3), 1.0), RuntimeError),
-    ("index_add", lambda x, i: x.index_add(0, i[:2], torch.ones_like(x[:2])), RuntimeError),
     ("index", lambda x, i: x[i] * 2, IndexError),
     ("index_select", lambda x, i: x.index_select(0, i), IndexError),
     ("embedding", lambda x, i: torch.nn.functional.embedding(i, x), IndexError),
@@ -222,8 +221,8 @@ EAGER_INDEX_ERRORS = [
 @pytest.mark.parametrize("name,fn,error", EAGER_INDEX_ERRORS, ids=[c[0] for c in EAGER_INDEX_ERRORS])
 @pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
 def test_index_out_of_range_raises_what_eager_raises(name, fn, error, device):
-    """Note [Index errors of compiled kernels]: eager gather, scatter and
-    index_add raise RuntimeError, indexing raises IndexError; the compiled
+    """Note [Index errors of compiled kernels]: eager gather and scatter
+    raise RuntimeError, indexing raises IndexError; the compiled
     kernel raises the same class (not a subclass of the other) at the
     synchronization, and the device works afterwards."""
     x = torch.randn(5, 3, device=device)

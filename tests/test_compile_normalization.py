@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch._dynamo
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import run_python
+
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")  # conftest.py
 
@@ -169,3 +171,27 @@ def test_cpu_rules_are_unchanged():
             mode.from_tensor(torch.ones(8, dtype=torch.float16)), False, 0.1, 1e-5)
     assert mean.dtype == rstd.dtype == torch.float16
     assert tuple(bmean.shape) == (0,)
+
+
+def test_the_first_graph_of_a_process_takes_the_cpu_branch(tmp_path):
+    """Kiln's decompositions are in place before AOTAutograd decomposes the
+    process's first graph (a fresh-user run found that the first graph
+    compiled on kiln got PyTorch's other GroupNorm formula, 4.77e-7 off
+    compiled CPU, and that Inductor's cache kept it). A fresh interpreter
+    compiles on kiln first, then on CPU."""
+    code = """
+import copy, torch, torch.nn as nn
+torch.manual_seed(1)
+layer = nn.GroupNorm(4, 8)
+for p in layer.parameters():
+    nn.init.normal_(p)
+x = torch.randn(3, 8, 5, 7) * 2 + 0.5
+with torch.no_grad():
+    kiln = torch.compile(copy.deepcopy(layer).to("kiln"))(x.to("kiln")).cpu()
+    torch._dynamo.reset()
+    cpu = torch.compile(layer)(x)
+print("max difference", (kiln - cpu).abs().max().item())
+assert torch.equal(kiln, cpu)
+"""
+    result = run_python(code, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

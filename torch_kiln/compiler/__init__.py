@@ -94,11 +94,21 @@ def _register_fake_rules() -> None:
     normalization.register_fake_rules()
 
 
+def _register_normalization_decompositions() -> None:
+    # Before AOTAutograd decomposes the first graph with Inductor's table
+    # (registering when Inductor first looks up kiln's scheduling was too
+    # late for the first graph of a process).
+    from torch_kiln.compiler.normalization import register_decompositions
+
+    register_decompositions()
+
+
 _AFTER_IMPORT = {
     "torch._dynamo.device_interface": _register_device_interface,
     "torch._dynamo.trace_rules": _register_trace_rules,
     # Loaded by `import torch` today, so this runs when torch_kiln loads.
     "torch._subclasses.fake_impls": _register_fake_rules,
+    "torch._inductor.decomposition": _register_normalization_decompositions,
 }
 _lock = threading.Lock()
 _done: set[str] = set()

@@ -31,9 +31,13 @@ rule, called unchanged. Compiled kiln then gives compiled CPU's bits for
 these layers (tests/test_compile_normalization.py).
 
 ``register_fake_rules()`` runs when FakeTensorMode's rules load (with
-``import torch``); ``register_decompositions()`` when Inductor's
-decomposition table is built (``torch_kiln.compiler.inductor.fixes``). This
-file is part of kiln's Inductor cache key (``inductor/cache_key.py``).
+``import torch``); ``register_decompositions()`` right after Inductor's
+decomposition table is built (its module's import, Note [Registering with
+Dynamo lazily] in ``torch_kiln/compiler/__init__.py``), before AOTAutograd
+decomposes any graph with it: registered later (when Inductor first looked
+up kiln's scheduling), the first graph of a process was decomposed with the
+original rules, and Inductor's cache kept that graph. This file is part of
+kiln's Inductor cache key (``inductor/cache_key.py``).
 """
 
 from __future__ import annotations

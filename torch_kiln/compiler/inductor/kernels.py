@@ -85,20 +85,27 @@ INDEX_CHECK_MARKER = "index out of bounds:"
 # Note [Index errors of compiled kernels]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inductor's check is a TORCH_CHECK, a RuntimeError, whichever operator the
-# index came from (compiled CPU raises RuntimeError for all of them). Eager
-# ATen raises IndexError for indexing (`x[i]`, index_select, embedding,
-# take, index_put, index_copy, index_fill, index_reduce) and RuntimeError
-# for gather, scatter, scatter_add, scatter_reduce and index_add. A compiled
-# kiln kernel raises what eager raises for the operators it was generated
-# from: the launch converts the check's error to IndexError
-# (GeneratedKernelCall::index_check_raises_index_error, torch_kiln/csrc/
-# aten/GeneratedKernels.h) unless every indexing operator among them is one
-# whose eager check is a RuntimeError. (The kernel cannot throw IndexError
-# itself: its shared library does not link c10's exception types.) Either
-# way the error is raised at the next synchronization, as an eager
-# kernel's (tests/test_compile_inductor.py).
-_RUNTIME_ERROR_INDEXING_OPS = frozenset(
-    {"gather", "scatter", "scatter_add", "scatter_reduce", "index_add"})
+# index came from (compiled CPU raises RuntimeError for all of them; so does
+# CUDA, eager or compiled, through its device-side assert). Eager ATen on
+# the CPU, and so eager kiln, raises IndexError for most indexing (`x[i]`,
+# index_select along dim 0, embedding, take, index_put, index_copy,
+# index_fill) and RuntimeError for gather and scatter. A compiled kiln
+# kernel raises IndexError, unless the operators of the compiled graph it
+# was generated from include gather or a scatter and no other indexing
+# operator: then it keeps the RuntimeError. The rule reads only the compiled
+# graph, because Inductor's caches reuse one compiled graph for every
+# program that decomposes to it; where eager's class depends on more than
+# the graph's operators it can differ: index_add (IndexError in 1-D,
+# RuntimeError in 2-D eagerly; compiled, it is an index_put: IndexError),
+# index_select along another dimension and max_unpool (RuntimeError
+# eagerly, IndexError compiled), and a kernel fused from gather and indexing
+# (IndexError; eagerly, whichever op fails first). The launch makes the
+# conversion (GeneratedKernelCall::index_check_raises_index_error,
+# torch_kiln/csrc/aten/GeneratedKernels.h): the kernel cannot throw
+# IndexError itself, as its shared library does not link c10's exception
+# types. Either way the error is raised at the next synchronization, as an
+# eager kernel's (tests/test_compile_inductor.py).
+_RUNTIME_ERROR_INDEXING_OPS = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce"})
 _INDEX_ERROR_INDEXING_OPS = frozenset(
     {"index", "_unsafe_index", "index_select", "embedding", "take", "index_put",
      "_unsafe_index_put", "index_copy", "index_fill", "index_reduce"})
@@ -106,8 +113,9 @@ _INDEX_ERROR_INDEXING_OPS = frozenset(
 
 def index_check_raises_index_error(origin_ops: set[str]) -> bool:
     """Whether a kernel generated from the aten operators named in
-    ``origin_ops`` (e.g. ``{"gather", "add"}``) raises IndexError from its
-    index checks (False: RuntimeError, as eager gather and scatter)."""
+    ``origin_ops`` (those of the compiled graph, e.g. ``{"gather", "add"}``)
+    raises IndexError from its index checks (False: RuntimeError, as eager
+    gather and scatter)."""
     return not (origin_ops & _RUNTIME_ERROR_INDEXING_OPS) or bool(
         origin_ops & _INDEX_ERROR_INDEXING_OPS)
 

@@ -32,16 +32,17 @@ def _graph_name() -> str:
 
 
 def _origin_ops(nodes) -> set[str]:
-    """Names of the aten operators (``"gather"``, ``"add"``) the scheduler
-    ``nodes`` of one kernel come from: the operator the program called
-    (``original_aten``, e.g. index_add) where Inductor recorded it, else
-    the one in the decomposed graph (e.g. index_put)."""
+    """Names of the aten operators (``"gather"``, ``"add"``) of the graph
+    Inductor compiles that the scheduler ``nodes`` of one kernel were lowered
+    from. Those of the compiled graph, not the ones the program called
+    (``original_aten``): Inductor's caches share one compiled graph among
+    programs whose calls decompose alike (index_add and index_put with
+    accumulate=True), so only the graph may decide what the code does."""
     names = set()
     for node in nodes:
         for inner in node.get_nodes():
             for origin in getattr(inner.node, "origins", ()) or ():
-                op = origin.meta.get("original_aten") or origin.target
-                packet = getattr(op, "_overloadpacket", None)
+                packet = getattr(origin.target, "_overloadpacket", None)
                 if packet is not None:
                     names.add(packet.__name__)
     return names
