@@ -31,7 +31,8 @@ rule, called unchanged. Compiled kiln then gives compiled CPU's bits for
 these layers (tests/test_compile_normalization.py).
 
 ``register_fake_rules()`` runs when FakeTensorMode's rules load (with
-``import torch``); ``register_decompositions()`` right after Inductor's
+``import torch``, so when torch_kiln loads), wrapping the BatchNorm helper
+that the decompositions share; ``register_decompositions()`` right after Inductor's
 decomposition table is built (its module's import, Note [Registering with
 Dynamo lazily] in ``torch_kiln/compiler/__init__.py``), before AOTAutograd
 decomposes any graph with it: registered later (when Inductor first looked
@@ -168,12 +169,13 @@ def register_decompositions() -> None:
     Needs ``torch._inductor.decomposition`` imported."""
     import torch._inductor.decomposition as inductor_decomposition
 
-    register_fake_rules()  # the BatchNorm helper is shared with the fake rules
+    # (The BatchNorm helper is shared with the fake rules, which
+    # register_fake_rules() wrapped when torch_kiln loaded.)
     inductor_decomposition.decomp_native_layer_norm = _wrap_once(
         inductor_decomposition.decomp_native_layer_norm, _statistics_in_input_dtype)
     table = inductor_decomposition.decompositions
     op = torch.ops.aten.native_group_norm.default
     if op in table and not hasattr(table[op], "kiln_wraps"):
-        table[op] = _wrap_once(table[op], _group_norm_as_cpu)
+        table[op] = _group_norm_as_cpu(table[op])
         # select_decomp_table() answers a cached copy of the table.
         inductor_decomposition.fast_random_decomps.cache_clear()
