@@ -14,6 +14,8 @@ What lives here:
 * ``normalization``: LayerNorm, BatchNorm and GroupNorm rules (fake and
   Inductor's decompositions) take their CPU branch for kiln tensors, whose
   kernels are CPU's.
+* ``small_matmuls``: Inductor's mm, addmm and bmm decompositions take their
+  CPU branch for kiln tensors (which small products become sums).
 * ``inductor``: Inductor for kiln (not imported from here: it registers
   itself when Inductor first looks up the kiln backend, through Inductor's
   PrivateUse1 hook on ``torch.kiln``, or from ``backend="kiln"``).
@@ -94,13 +96,14 @@ def _register_fake_rules() -> None:
     normalization.register_fake_rules()
 
 
-def _register_normalization_decompositions() -> None:
+def _register_decompositions() -> None:
     # Before AOTAutograd decomposes the first graph with Inductor's table
     # (registering when Inductor first looks up kiln's scheduling was too
     # late for the first graph of a process).
-    from torch_kiln.compiler.normalization import register_decompositions
+    from torch_kiln.compiler import normalization, small_matmuls
 
-    register_decompositions()
+    normalization.register_decompositions()
+    small_matmuls.register_decompositions()
 
 
 _AFTER_IMPORT = {
@@ -108,7 +111,7 @@ _AFTER_IMPORT = {
     "torch._dynamo.trace_rules": _register_trace_rules,
     # Loaded by `import torch` today, so this runs when torch_kiln loads.
     "torch._subclasses.fake_impls": _register_fake_rules,
-    "torch._inductor.decomposition": _register_normalization_decompositions,
+    "torch._inductor.decomposition": _register_decompositions,
 }
 _lock = threading.Lock()
 _done: set[str] = set()

@@ -38,6 +38,8 @@ def codegen_uuid() -> str:
     files.append(str(here.parent / "fake_convolution.py"))
     # Normalization rules and decompositions (CPU's branch on kiln).
     files.append(str(here.parent / "normalization.py"))
+    # Small matmul decompositions (CPU's branch on kiln).
+    files.append(str(here.parent / "small_matmuls.py"))
     files = [f for f in files if os.path.exists(f)]
     stat = os.stat(torch_kiln._C.__file__)
     build = f"{torch_kiln._C.__file__}:{stat.st_size}:{stat.st_mtime_ns}".encode()

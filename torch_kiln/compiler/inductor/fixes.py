@@ -334,6 +334,35 @@ def _fix_convolution_bias() -> None:
     conv.convolution = convolution  # aten._convolution's lowering calls it
 
 
+def _fix_small_bmm() -> None:
+    # Inductor's bmm lowering (kernel/bmm.py, tuned_bmm) turns a batch of
+    # (1, K) @ (K, N) or (M, K) @ (K, 1) products into a pointwise product
+    # summed over K when both inputs are on "cpu" (it reads the nodes'
+    # devices, not ir.get_device_type); on kiln it called ATen's bmm, other
+    # bits than compiled CPU's sum (Note [Kiln's small matmuls are CPU's] in
+    # torch_kiln/compiler/small_matmuls.py). For kiln inputs of those shapes
+    # the lowering computes CPU's sum; every other call is Inductor's. (The
+    # CPU branch also makes an input contiguous when bmm would copy it: no
+    # effect on bits, not reproduced.)
+    from torch._inductor import lowering
+    from torch._inductor.kernel import bmm
+
+    original = bmm.tuned_bmm
+
+    def tuned_bmm(mat1, mat2, *args, **kwargs):
+        if not (_on_kiln(mat1) and _on_kiln(mat2)):
+            return original(mat1, mat2, *args, **kwargs)
+        if mat1.get_size()[1] == 1 or mat2.get_size()[2] == 1:
+            product = lowering.mul(lowering.unsqueeze(mat1, -1), lowering.unsqueeze(mat2, 1))
+            return lowering.sum_(product, axis=2)
+        return original(mat1, mat2, *args, **kwargs)
+
+    for op, fn in list(lowering.lowerings.items()):
+        if fn is original:
+            lowering.lowerings[op] = tuned_bmm
+    bmm.tuned_bmm = tuned_bmm
+
+
 def _fix_integer_truncation_division() -> None:
     # Inductor's C++ writes integer truncation division
     # (torch.div(a, b, rounding_mode="trunc") on integers) as a bare
@@ -394,9 +423,10 @@ def install() -> None:
     _fix_two_step_variance()
     _fix_logical_index_argreduce()
     _fix_convolution_bias()
+    _fix_small_bmm()
     _fix_integer_truncation_division()
     _fix_flush_before_deviceless_extern_calls()
-    # Kiln's normalization decompositions are not here: they must be in
+    # Kiln's normalization and small matmul decompositions are not here: they must be in
     # place before AOTAutograd decomposes a graph, which is before Inductor
     # installs these (Note [Kiln's normalization statistics are CPU's]).
     _installed = True
