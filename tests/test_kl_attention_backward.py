@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kl_helpers import private_kernel_cache  # noqa: F401
+from quick_shard import rotate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -74,13 +75,11 @@ def assert_grads_match(q, k, v, grad_out, got_out, got_grads):
         torch.testing.assert_close(got.float(), want, **tol(q.dtype), msg=lambda m: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,block", [
+@pytest.mark.parametrize("shape,block,device,dtype", rotate([  # each device and dtype once in `make test`
     ((2, 3, 100, 16), (32, 32)),  # ragged: 100 is not a multiple of 32
     ((1, 2, 37, 24), (16, 8)),    # head_dim 24, query and key blocks differ
     ((1, 1, 70, 8), (64, 64)),    # the default block size, one full and one ragged block
-])
+], DEVICES, [torch.float32, torch.bfloat16], per_case=2))
 def test_gradients_match_sdpa(device, dtype, shape, block):
     q, k, v, grad_out = inputs(shape, dtype)
     out, grads = kl_grads(q, k, v, grad_out, device, block)
@@ -95,7 +94,7 @@ def test_float16_and_the_default_block():
     assert_grads_match(q, k, v, grad_out, out.detach().cpu(), [t.grad.cpu() for t in (qk, kk, vk)])
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("device", ["kiln:1", pytest.param("kiln:0", marks=pytest.mark.slow)])
 def test_head_dim_128_the_tile_models_limit(device):
     q, k, v, grad_out = inputs((1, 1, 40, 128), torch.float32)
     out, grads = kl_grads(q, k, v, grad_out, device, (32, 32))

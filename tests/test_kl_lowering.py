@@ -22,6 +22,7 @@ import torch
 import torch_kiln.kl as kl
 from torch_kiln.kl import lowering
 from kl_helpers import private_kernel_cache  # noqa: F401
+from quick_shard import rotate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -90,9 +91,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case,dtype,device", rotate(  # each case once in `make test`
+    sorted(CASES), [torch.float32, torch.bfloat16], ["kiln:0", "kiln:1"]))
 def test_optimised_lowering_is_bit_identical_to_the_plain_one(case, dtype, device, monkeypatch):
     module, name, inputs, call = CASES[case]
     args = [t.to(device) for t in inputs(dtype)]
@@ -391,8 +391,8 @@ def _transpose_kernel(out, x, R: kl.constexpr, C: kl.constexpr):
 
 # Shapes on and off the 8- and 16-wide SIMD blocks of kl_transpose_f32 (a
 # whole block, edge columns, edge rows, both, a single row or column).
-@pytest.mark.parametrize("shape", [(16, 16), (32, 8), (24, 20), (37, 21), (1, 19), (19, 1),
-                                   (8, 40)])
+@pytest.mark.parametrize("shape", [(16, 16), (37, 21), (1, 19)] + [
+    pytest.param(shape, marks=pytest.mark.slow) for shape in [(32, 8), (24, 20), (19, 1), (8, 40)]])
 def test_transpose_of_a_buffered_tile_is_exact(shape, monkeypatch):
     rows, cols = shape
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
@@ -704,10 +704,9 @@ def trip_count_kernel(out, lo, hi, STEP: kl.constexpr):
     kl.store(out, (i,), kl.where(i == 0, cnt, last))
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("lo, hi, step", [(2**63 - 8, 2**63 - 1, 4), (0, 2**63 - 1, 2**62),
-                                          (-2**63, 2**63 - 1, 2**62), (-5, 3, 2), (5, 1, 1),
-                                          (7, 7, 3), (2**63 - 2, 2**63 - 1, 1)])
+@pytest.mark.parametrize("lo, hi, step, device", rotate(
+    [(2**63 - 8, 2**63 - 1, 4), (0, 2**63 - 1, 2**62), (-2**63, 2**63 - 1, 2**62), (-5, 3, 2),
+     (5, 1, 1), (7, 7, 3), (2**63 - 2, 2**63 - 1, 1)], ["kiln:0", "kiln:1"]))
 def test_a_range_loop_runs_pythons_trip_count_up_to_the_int64_limits(device, lo, hi, step):
     # compiled, k += STEP wrapped near the int64 maximum and `k < hi` held
     # for ever (a hang); the loop now counts Python's range's trips
@@ -748,9 +747,8 @@ _HALF_OPS = {0: lambda x, s: x - s, 1: lambda x, s: x * s, 2: lambda x, s: s - x
              5: lambda x, s: x + s}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("s", [1.01, 257, 0.3])
-@pytest.mark.parametrize("op", sorted(_HALF_OPS))
+@pytest.mark.parametrize("op, s, dtype", rotate(  # each op once in `make test`
+    sorted(_HALF_OPS), [1.01, 257, 0.3], [torch.bfloat16, torch.float16]))
 def test_scalar_arguments_with_half_tiles_round_as_pytorch(dtype, s, op):
     x = torch.tensor([1.0, 1.0078125, 3.3, -7.1, 256, 300], dtype=dtype)
     expected = _HALF_OPS[op](x, s)
