@@ -5,6 +5,7 @@ afterwards, and before. Each case runs in a fresh interpreter, since the
 import happens once per process."""
 
 import pytest
+from quick_shard import rotate
 
 from conftest import run_python
 
@@ -87,8 +88,7 @@ def test_eager_ops_do_not_import_dynamo(launch_blocking):
     assert "EAGER_OK" in r.stdout
 
 
-@pytest.mark.parametrize("backend", ["kiln", "inductor"])
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("backend,index", rotate(["kiln", "inductor"], [0, 1]))
 def test_compile_after_eager_ops(backend, index):
     r = run_python(EAGER_OPS.format(check=True) + COMPILE.format(index=index, backend=backend), timeout=600)
     assert r.returncode == 0, r.stderr

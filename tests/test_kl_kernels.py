@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+from conftest import run_python
 from kl_helpers import private_kernel_cache  # noqa: F401
+from quick_shard import rotate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -36,9 +38,8 @@ def randn(*shape, dtype, seed=0):
 
 
 # rows_per_program 4 on 37 rows: the last program's rows past the end are masked
-@pytest.mark.parametrize("rows_per_program", [1, 4])
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows_per_program,device,dtype",  # half of them in `make test`
+                         rotate([1, 4], DEVICES, DTYPES, per_case=3))
 def test_rms_norm(device, dtype, rows_per_program):
     x, w = randn(37, 100, dtype=dtype), randn(100, dtype=dtype, seed=1)
     out = kl_rms_norm.rms_norm(x.to(device), w.to(device), 1e-6, rows_per_program)
@@ -46,9 +47,8 @@ def test_rms_norm(device, dtype, rows_per_program):
     torch.testing.assert_close(out.cpu(), kl_rms_norm.reference(x, w, 1e-6), **tol(dtype))
 
 
-@pytest.mark.parametrize("rows_per_program", [1, 4])
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows_per_program,device,dtype",  # half of them in `make test`
+                         rotate([1, 4], DEVICES, DTYPES, per_case=3))
 def test_softmax(device, dtype, rows_per_program):
     x = randn(37, 100, dtype=dtype) * 5
     out = kl_softmax.softmax(x.to(device), rows_per_program)
@@ -62,9 +62,8 @@ def test_softmax_is_stable_for_large_inputs():
     torch.testing.assert_close(out, torch.softmax(x.cpu(), -1))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", [kl_matmul.NONE, kl_matmul.RELU, kl_matmul.GELU_TANH])
+@pytest.mark.parametrize("activation,device,dtype", rotate(  # each device and dtype once in `make test`
+    [kl_matmul.NONE, kl_matmul.RELU, kl_matmul.GELU_TANH], DEVICES, DTYPES, per_case=2))
 def test_matmul_bias_activation(device, dtype, activation):
     a, b = randn(70, 50, dtype=dtype), randn(50, 90, dtype=dtype, seed=1)
     bias = randn(90, dtype=dtype, seed=2)
@@ -94,6 +93,33 @@ def test_kernels_under_torch_compile(fresh_compile):
     torch.testing.assert_close(compiled(xk, wk).cpu(), f(xk, wk).cpu())
     expected = torch.softmax(kl_rms_norm.reference(x, w, 1e-6) * 2, -1)
     torch.testing.assert_close(compiled(xk, wk).cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+FIRST_USE_UNDER_COMPILE = """
+import sys, torch, torch_kiln, torch_kiln.compiler
+sys.path.insert(0, {repo!r})
+from examples.kernels import kl_rms_norm, kl_softmax
+x, w = torch.randn(37, 100), torch.randn(100)
+f = torch.compile(lambda x, w: kl_softmax.softmax(kl_rms_norm.rms_norm(x, w, 1e-6) * 2),
+                  fullgraph={fullgraph})
+out = f(x.to("kiln"), w.to("kiln")).cpu()
+expected = torch.softmax(kl_rms_norm.reference(x, w, 1e-6) * 2, -1)
+torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+print("graph breaks:", sum(torch_kiln.compiler.get_metrics()["graph_breaks"].values()))
+"""
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_kernels_first_use_may_be_under_torch_compile(fullgraph, tmp_path):
+    """In a fresh process the kernels are first launched inside the compiled
+    function: they are prepared while Dynamo traces (Note [A kl kernel's
+    first use may be under torch.compile]). Before, fullgraph=True raised
+    "Unsupported context manager" and without it the graph broke."""
+    r = run_python(FIRST_USE_UNDER_COMPILE.format(repo=REPO, fullgraph=fullgraph),
+                   {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+                    "KILN_KERNELS_CACHE_DIR": str(tmp_path / "kernels")}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "graph breaks: 0" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("device", DEVICES)

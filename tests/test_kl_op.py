@@ -9,6 +9,7 @@ import torch
 
 import torch_kiln.kl as kl
 from kl_helpers import private_kernel_cache  # noqa: F401
+from quick_shard import rotate
 
 DEVICES = ["kiln:0", "kiln:1", "cpu"]  # cpu: the simulator
 
@@ -101,8 +102,7 @@ def test_opcheck(device):
     torch.library.opcheck(scaled_tanh, (x, 2.0), **utils)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("dynamic,device", rotate([False, True], ["kiln:0", "kiln:1"]))
 def test_compiled_fullgraph_forward_and_backward(fresh_compile, device, dynamic):
     compiled = torch.compile(lambda x: scaled_tanh(x * 1.0, 1.5), fullgraph=True,
                              dynamic=dynamic)

@@ -14,6 +14,7 @@ import torch
 
 import torch_kiln.kl as kl
 from kl_helpers import private_kernel_cache, where  # noqa: F401
+from quick_shard import rotate
 
 HERE = __file__
 R, C = 8, 16
@@ -94,8 +95,7 @@ def assert_agree(compiled, simulated, dtype):
     torch.testing.assert_close(mm, smm, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_loop", [0, 3])
+@pytest.mark.parametrize("n_loop,dtype", rotate([0, 3], [torch.float32, torch.bfloat16]))
 def test_compiled_agrees_with_the_simulator(dtype, n_loop, monkeypatch):
     compiled = run_zoo("kiln", dtype, n_loop)
     monkeypatch.setenv("KILN_KL_SIMULATE", "1")

@@ -231,6 +231,28 @@ MAX_GRID = (2**31 - 1, 65535, 65535)
 _GRID_PARAMS = ("kl_grid0", "kl_grid1", "kl_grid2")
 
 
+# Note [A kl kernel's first use may be under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A kernel is prepared (its parameters classified, its operator registered,
+# Note [kl parameters are classified at first use]) on its first use, which
+# may be inside a function Dynamo traces. Dynamo cannot trace that work (a
+# lock, reading source files, registering an operator): it broke the graph
+# there, and under fullgraph=True raised "Unsupported context manager". So
+# while Dynamo traces, JITFunction._prepare calls the function below, which
+# Dynamo runs eagerly at trace time and takes the result of as a constant
+# (torch._dynamo.assume_constant_result's marker, set by hand so that kl
+# does not import Dynamo). Dynamo then reads the prepared kernel's
+# attributes; _prepare reads none of them before this call, so Dynamo never
+# sees an unprepared value. Preparing twice is harmless (_prepare returns
+# at once).
+def _prepare_eagerly_while_tracing(kernel: "JITFunction") -> bool:
+    kernel._prepare()
+    return True
+
+
+_prepare_eagerly_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class JITFunction:
     """A kl kernel; launch with ``kernel[grid](*args)``. ``op`` is its
     torch.library operator; ``source(*args, grid=...)`` the generated C++
@@ -279,6 +301,12 @@ class JITFunction:
     # it, happen at the first launch (or the first use of params, op, name).
 
     def _prepare(self) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            # A first use inside torch.compile: Dynamo cannot trace the
+            # lock or the source analysis, so it runs them eagerly (Note
+            # [A kl kernel's first use may be under torch.compile]).
+            _prepare_eagerly_while_tracing(self)
+            return
         if self._params is not None:
             return
         with self._prepare_lock:
