@@ -1,6 +1,8 @@
 """Device memory: the caching allocator's statistics (CUDA's key names),
 torch.accelerator.memory_*, empty_cache, mem_get_info, out-of-memory."""
 
+import gc
+
 import pytest
 import torch
 
@@ -287,6 +289,20 @@ def test_a_device_smaller_than_a_segment_serves_small_tensors_and_blames_itself_
 
 @pytest.mark.parametrize("device", [0, 1, "kiln:1", torch.device("kiln", 0), None])
 def test_deprecated_aliases_warn_as_cuda_and_answer_the_new_names(device):
+    # Peak == current right after a reset holds only if nothing is freed in
+    # between: a kiln tensor an earlier test left in a reference cycle was
+    # freed by a garbage collection there once (4608 bytes, in CI). Collect
+    # first, and let no collection run during the test.
+    gc.collect()
+    torch.kiln.synchronize()
+    gc.disable()
+    try:
+        _check_deprecated_aliases(device)
+    finally:
+        gc.enable()
+
+
+def _check_deprecated_aliases(device):
     x = torch.empty(3 * MiB, dtype=torch.uint8, device="kiln" if device is None else device)
     with pytest.warns(FutureWarning, match="renamed to `torch.kiln.memory_reserved`"):
         assert torch.kiln.memory_cached(device) == torch.kiln.memory_reserved(device) >= 3 * MiB
