@@ -290,9 +290,10 @@ def test_a_device_smaller_than_a_segment_serves_small_tensors_and_blames_itself_
 @pytest.mark.parametrize("device", [0, 1, "kiln:1", torch.device("kiln", 0), None])
 def test_deprecated_aliases_warn_as_cuda_and_answer_the_new_names(device):
     # Peak == current right after a reset holds only if nothing is freed in
-    # between: a kiln tensor an earlier test left in a reference cycle was
-    # freed by a garbage collection there once (4608 bytes, in CI). Collect
-    # first, and let no collection run during the test.
+    # between. In one CI run 4608 bytes were (not reproduced; most likely a
+    # kiln tensor an earlier test left in a reference cycle, freed by a
+    # garbage collection). Collect first, and let no collection run during
+    # the test.
     gc.collect()
     torch.kiln.synchronize()
     gc.disable()

@@ -42,11 +42,9 @@ from typing import Any, Callable
 
 import torch
 
+from torch_kiln.compiler.normalization import _on_kiln
+
 aten = torch.ops.aten
-
-
-def _on_kiln(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "kiln"
 
 
 def _cpu_branch_for_kiln(original: Callable[..., Any],
