@@ -92,13 +92,18 @@ def test_accepted_overlap_computes_cpus_values(device, name):
 @pytest.mark.parametrize("name", [n for n in ACCEPTED if "resize" not in n])
 def test_accepted_overlap_never_synchronizes(name):
     # The op's verdict comes from CPU's kernel on tiny images, not from a
-    # synchronous run of the real call.
+    # synchronous run of the real call. An op's first call in the process may
+    # still run kiln's one-time layout check ("<op> (layout check)"; e.g. the
+    # flip that prepares the sort case, when no earlier test on this worker
+    # flipped): that is not the overlap verdict, which would show as the op.
     x = torch.arange(6.0, device="kiln")
     torch.kiln.synchronize()
     torch.kiln.clear_op_tracking()
     for _ in range(3):
         ACCEPTED[name](x)
-    assert torch.kiln.get_sync_ops() == {}
+    syncs = {op: n for op, n in torch.kiln.get_sync_ops().items()
+             if not op.endswith(" (layout check)")}
+    assert syncs == {}
 
 
 def test_accepted_overlap_is_captured_in_a_kiln_graph():
