@@ -28,12 +28,12 @@ DEVICE_DTYPES = [("kiln:1", torch.float16)] + [
     pytest.param("kiln:0", dtype, marks=SLOW) for dtype in DTYPES]
 
 
-def train_step(layer, x, backend):
+def train_step(layer, x, backend, dynamic=None):
     """(output, input gradient, parameter gradients) of one compiled
     forward and backward of ``layer`` on ``x`` (on the layer's device)."""
     torch._dynamo.reset()
     x = x.detach().clone().requires_grad_()
-    out = torch.compile(layer, backend=backend)(x)
+    out = torch.compile(layer, backend=backend, dynamic=dynamic)(x)
     # A loss whose gradient differs per element, in float32.
     (out.float() * torch.linspace(-1, 1, out.numel(), device=x.device).view_as(out)).sum() \
         .backward()
@@ -48,11 +48,11 @@ def assert_bit_identical(got, expected):
         assert torch.equal(a, b), f"tensor {i}: max difference {(a.float() - b.float()).abs().max()}"
 
 
-def on_both(layer, x, device, backend="inductor"):
+def on_both(layer, x, device, backend="inductor", dynamic=None):
     """Trains a copy of ``layer`` on CPU and on ``device`` and checks the
     bits match."""
-    cpu = train_step(copy.deepcopy(layer), x, backend)
-    kiln = train_step(copy.deepcopy(layer).to(device), x.to(device), backend)
+    cpu = train_step(copy.deepcopy(layer), x, backend, dynamic)
+    kiln = train_step(copy.deepcopy(layer).to(device), x.to(device), backend, dynamic)
     assert_bit_identical(kiln, cpu)
 
 
@@ -90,6 +90,35 @@ def test_group_norm_on_3d_and_channels_last_input(dtype):
     on_both(layer, torch.randn(4, 6, 11, dtype=dtype), "kiln")
     x = torch.randn(2, 6, 4, 5, dtype=dtype).to(memory_format=torch.channels_last)
     on_both(layer, x, "kiln")
+
+
+@pytest.mark.parametrize("device,dtype", [("kiln:0", torch.float32),
+                                          pytest.param("kiln:1", torch.bfloat16, marks=SLOW)])
+def test_group_norm_with_dynamic_shapes_matches_compiled_cpu(device, dtype):
+    """With symbolic sizes FakeTensorMode runs the GroupNorm decomposition
+    on the fake device; kiln took the non-CPU branch, whose output size
+    (N, C, H, (H*W)//H) made another backward graph: the input gradient
+    differed from compiled CPU's by 1.2e-7 and the weight's by 7.2e-7."""
+    torch.manual_seed(0)
+    layer = nn.GroupNorm(4, 4).to(dtype)
+    nn.init.normal_(layer.weight)
+    nn.init.normal_(layer.bias)
+    on_both(layer, torch.randn(2, 4, 3, 3, dtype=dtype), device, dynamic=True)
+
+
+def test_group_norm_fake_output_has_the_input_size_with_symbolic_sizes():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    x = torch.randn(2, 4, 3, 3, device="kiln")
+    w = torch.randn(4, device="kiln")
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+    n, _, h, width = fx.shape
+    with mode:
+        out, mean, rstd = torch.ops.aten.native_group_norm(fx, fw, fw, n, 4, h * width, 2, 1e-5)
+    # Compared as expressions: SymInt == would compare the sizes' values.
+    assert str(out.shape) == str(fx.shape) and str(out.stride()) == str(fx.stride()), \
+        (out.shape, fx.shape)
+    assert str(mean.shape) == str(rstd.shape) == str(torch.Size([n, 2]))
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)

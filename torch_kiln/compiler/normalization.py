@@ -123,15 +123,18 @@ def _group_norm_as_cpu(group_norm: Callable[..., Any]) -> Callable[..., Any]:
         shift = -mean * scale
         if bias is not None:
             shift = shift + bias.reshape(1, num_groups, per_group, 1)
-        # As the CPU branch: (N, C) views of the per-channel factors, with
-        # the input's remaining dimensions as broadcast dimensions.
-        broadcast = [batch_size, num_channels] + [1] * (input.dim() - 2)
+        # As the CPU branch, op for op, so that the traced graph is CPU's
+        # node for node: (N, C) views of the per-channel factors, unsqueezed
+        # over the input's remaining dimensions, and the statistics squeezed.
         scale = scale.contiguous().as_strided([batch_size, num_channels], [num_channels, 1])
         shift = shift.contiguous().as_strided([batch_size, num_channels], [num_channels, 1])
-        scale, shift = scale.reshape(broadcast), shift.reshape(broadcast)
+        for dim in range(2, input.ndim):
+            scale = scale.unsqueeze(dim)
+        for dim in range(2, input.ndim):
+            shift = shift.unsqueeze(dim)
         out = (x * scale + shift).to(input.dtype)
-        return (out, mean.to(input.dtype).reshape(batch_size, num_groups),
-                rstd.to(input.dtype).reshape(batch_size, num_groups))
+        return (out, torch.squeeze(mean.to(input.dtype), [2, 3]),
+                torch.squeeze(rstd.to(input.dtype), [2, 3]))
 
     kiln_native_group_norm.kiln_wraps = group_norm  # type: ignore[attr-defined]
     return kiln_native_group_norm
@@ -142,8 +145,11 @@ def _wrap_once(value: Callable[..., Any], wrap: Callable[..., Any]) -> Callable[
 
 
 def register_fake_rules() -> None:
-    """FakeTensorMode's rules give kiln tensors CPU's statistics (idempotent):
-    the LayerNorm rule, and every BatchNorm rule through the shared helper."""
+    """FakeTensorMode's rules give kiln tensors CPU's statistics and shapes
+    (idempotent): the LayerNorm rule, every BatchNorm rule through the shared
+    helper, and the GroupNorm decomposition that fake tensors with symbolic
+    sizes run."""
+    import torch._decomp
     import torch._decomp.decompositions as decompositions
     from torch._subclasses import fake_impls
 
@@ -162,6 +168,14 @@ def register_fake_rules() -> None:
         fake_impls.op_implementations_dict[op] = kiln_layer_norm_rule
     decompositions.native_batch_norm_helper = _wrap_once(
         decompositions.native_batch_norm_helper, _batch_norm_helper_as_cpu)
+    # With symbolic sizes FakeTensorMode runs the GroupNorm decomposition
+    # itself (on the fake device, not on meta): the other branch's
+    # ``out.view(input.shape)`` gave a kiln output the size
+    # (N, C, H, (H*W)//H), a tangent of that size, and another backward.
+    table = torch._decomp.decomposition_table
+    op = torch.ops.aten.native_group_norm.default
+    if op in table:
+        table[op] = _wrap_once(table[op], _group_norm_as_cpu)
 
 
 def register_decompositions() -> None:
