@@ -147,3 +147,32 @@ def test_sdpa_with_a_mask_that_needs_a_gradient():
         F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum().backward()
         grads.append(m.grad)
     assert_same(grads[1], grads[0])
+
+
+def test_group_norm_on_channels_last_input_takes_cudas_backward():
+    """PyTorch's derivative of native_group_norm keeps a channels-last
+    layout only on the CPU; on kiln, as on CUDA, it makes the gradient and
+    input contiguous, so kiln runs CPU's contiguous backward kernel where CPU
+    runs its channels-last one (docs/porting.md, "Numbers"). The forward is
+    CPU's, layout included, and the backward is exactly that kernel's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(2, 4, 7, 9)
+    w = torch.randn(4)
+    x_kiln = x.to("kiln").requires_grad_()
+    w_kiln = w.to("kiln").requires_grad_()
+    out = F.group_norm(x_kiln, 2, w_kiln)
+    out.backward(grad.to("kiln"))
+    cpu_out, mean, rstd = torch.ops.aten.native_group_norm(x, w, None, 2, 4, 63, 2, 1e-5)
+    assert_same(out.detach(), cpu_out)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    grad_input, grad_weight, _ = torch.ops.aten.native_group_norm_backward(
+        grad.contiguous(), x.contiguous(), mean, rstd, w, 2, 4, 63, 2, [True, True, False])
+    assert_same(x_kiln.grad, grad_input)
+    assert_same(w_kiln.grad, grad_weight)
+    # A contiguous input gives CPU's bits.
+    x_kiln = x.contiguous().to("kiln").requires_grad_()
+    x_cpu = x.contiguous().requires_grad_()
+    F.group_norm(x_kiln, 2, w.to("kiln")).backward(grad.to("kiln"))
+    F.group_norm(x_cpu, 2, w).backward(grad)
+    assert_same(x_kiln.grad, x_cpu.grad)
