@@ -1,165 +1,216 @@
-"""LSTM, GRU and RNN layers and cells on kiln. A float32 (or, where oneDNN
-supports it, bfloat16) LSTM without projections takes CPU's oneDNN path
-(OneDnnLstm.cc) and gives CPU's bits, forward and backward; the rest goes
-through the fused cells (RecurrentCells.cc): CPU's results to rounding."""
+"""LSTM, GRU and RNN layers and cells on kiln give CPU's bits, forward and
+backward: kiln composes them as the CPU does (RecurrentLayers.cc), oneDNN's
+LSTM included. Before, PyTorch sent kiln through the fused cells
+(RecurrentCells.cc), ~1e-7 off CPU. Packed sequences still take the fused
+cells, and traced LSTMs CPU's step-by-step path rather than oneDNN's: CPU's
+results to rounding."""
 
 import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 from conftest import assert_same
 
 
-@pytest.mark.parametrize("cls", [torch.nn.GRU, torch.nn.RNN,
-                                 lambda *a, **k: torch.nn.LSTM(*a, **k, proj_size=4),
-                                 lambda *a, **k: torch.nn.LSTM(*a, **k).double()])
-def test_recurrent_layers_match_cpu(cls):
-    torch.manual_seed(0)
-    cpu = cls(5, 7, num_layers=2, bidirectional=True, batch_first=True)
-    kiln = cls(5, 7, num_layers=2, bidirectional=True, batch_first=True)
-    kiln.load_state_dict(cpu.state_dict())
-    kiln.to("kiln")
-    x = torch.randn(3, 4, 5, dtype=next(cpu.parameters()).dtype)
-    y_cpu, _ = cpu(x)
-    y_kiln, _ = kiln(x.to("kiln"))
-    torch.testing.assert_close(y_kiln.cpu(), y_cpu.detach(), rtol=1e-5, atol=1e-6)
-    y_cpu.pow(2).sum().backward()
-    y_kiln.pow(2).sum().backward()
-    for k, c in zip(kiln.parameters(), cpu.parameters()):
-        torch.testing.assert_close(k.grad.cpu(), c.grad, rtol=1e-5, atol=1e-5)
+def run(module, x, hx, device, dtype=None):
+    """(output, final state(s), input gradient, initial state gradients,
+    parameter gradients) of one forward and backward on ``device``."""
+    module = copy.deepcopy(module).to(device)
+    if dtype is not None:
+        module = module.to(dtype)
+    dtype = next(module.parameters()).dtype
+
+    def leaf(t):
+        return t.detach().clone().to(device, dtype).requires_grad_()
+
+    x = leaf(x)
+    if isinstance(hx, tuple):
+        hx = tuple(leaf(h) for h in hx)
+    elif hx is not None:
+        hx = leaf(hx)
+    result = module(x, hx)
+    out, state = (result, ()) if isinstance(result, torch.Tensor) else result
+    if isinstance(module, nn.LSTMCell):
+        out, state = result[0], (result[1],)
+    state = state if isinstance(state, tuple) else (state,)
+    weights = torch.linspace(-1, 1, out.numel(), device=device, dtype=out.dtype).view_as(out)
+    loss = (out * weights).sum()
+    for i, s in enumerate(state):
+        loss = loss + s.sum() * (0.5 / (i + 1))
+    loss.backward()
+    initial = hx if isinstance(hx, tuple) else (() if hx is None else (hx,))
+    grads = [x.grad] + [h.grad for h in initial] + [p.grad for p in module.parameters()]
+    return [t.detach().cpu() for t in [out, *state, *grads]]
 
 
-@pytest.mark.parametrize("cls", [torch.nn.LSTMCell, torch.nn.GRUCell])
-def test_recurrent_cells_match_cpu(cls):
-    torch.manual_seed(0)
-    cpu = cls(5, 7)
-    kiln = cls(5, 7)
-    kiln.load_state_dict(cpu.state_dict())
-    kiln.to("kiln")
-    x = torch.randn(3, 5)
-    out_cpu, out_kiln = cpu(x), kiln(x.to("kiln"))
-    first = (lambda o: o[0]) if isinstance(out_cpu, tuple) else (lambda o: o)
-    torch.testing.assert_close(first(out_kiln).cpu(), first(out_cpu).detach(), rtol=1e-5, atol=1e-6)
-    first(out_cpu).sum().backward()
-    first(out_kiln).sum().backward()
-    for k, c in zip(kiln.parameters(), cpu.parameters()):
-        torch.testing.assert_close(k.grad.cpu(), c.grad, rtol=1e-5, atol=1e-5)
+def assert_runs_match(module, x, hx=None, device="kiln", dtype=None, seed=None):
+    results = []
+    for d in (device, "cpu"):
+        if seed is not None:
+            torch.manual_seed(seed)
+        results.append(run(module, x, hx, d, dtype))
+    assert len(results[0]) == len(results[1])
+    for i, (got, expected) in enumerate(zip(*results)):
+        assert got.dtype == expected.dtype, i
+        assert_same(got, expected)
 
 
-def lstm_step(lstm, x, hx, device, dtype=torch.float32):
-    """(output, h_n, c_n, input gradient, h0 and c0 gradients, parameter
-    gradients) of one forward and backward on ``device``, in ``dtype``."""
-    lstm = copy.deepcopy(lstm).to(device, dtype)
-    x = x.to(device, dtype).requires_grad_()
-    hx = tuple(h.to(device, dtype).requires_grad_() for h in hx) if hx else None
-    out, (h_n, c_n) = lstm(x, hx)
-    weights = torch.linspace(-1, 1, out.numel(), device=device, dtype=dtype).view_as(out)
-    ((out * weights).sum() + h_n.sum() * 0.5 + c_n.sum() * 0.25).backward()
-    grads = [x.grad] + ([h.grad for h in hx] if hx else []) + [p.grad for p in lstm.parameters()]
-    return [t.detach().cpu() for t in [out, h_n, c_n] + grads]
-
-
-LSTM_CONFIGS = {
+LAYERS = {
+    "LSTM": lambda **k: nn.LSTM(5, 7, **k),
+    "GRU": lambda **k: nn.GRU(5, 7, **k),
+    "RNN tanh": lambda **k: nn.RNN(5, 7, **k),
+    "RNN relu": lambda **k: nn.RNN(5, 7, nonlinearity="relu", **k),
+    "LSTM with projections": lambda **k: nn.LSTM(5, 7, proj_size=4, **k),
+}
+CONFIGS = {
     "one layer": dict(),
     "two layers, bidirectional, batch first": dict(num_layers=2, bidirectional=True,
                                                    batch_first=True),
     "no bias": dict(bias=False, num_layers=2),
-    "given state": dict(num_layers=2, bidirectional=True),
 }
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("config", list(LSTM_CONFIGS))
-def test_lstm_is_cpus_bits(config, device):
-    """Before OneDnnLstm.cc, kiln's LSTM went through the fused cells and
-    differed from CPU's oneDNN path by ~1e-7."""
-    kwargs = LSTM_CONFIGS[config]
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layers_are_cpus_bits(layer, config):
+    kwargs = CONFIGS[config]
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(5, 7, **kwargs)
-    batch_first = kwargs.get("batch_first", False)
-    x = torch.randn(3, 4, 5) if batch_first else torch.randn(4, 3, 5)
-    layers = kwargs.get("num_layers", 1) * (2 if kwargs.get("bidirectional") else 1)
-    hx = (torch.randn(layers, 3, 7), torch.randn(layers, 3, 7)) if config == "given state" else None
-    for got, expected in zip(lstm_step(lstm, x, hx, device), lstm_step(lstm, x, hx, "cpu")):
-        assert_same(got, expected)
+    module = LAYERS[layer](**kwargs)
+    x = torch.randn(3, 4, 5) if kwargs.get("batch_first") else torch.randn(4, 3, 5)
+    assert_runs_match(module, x)
 
 
-def test_lstm_dropout_between_layers_in_training_is_cpus():
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layers_with_a_given_state_on_kiln_1(layer):
+    torch.manual_seed(0)
+    module = LAYERS[layer](num_layers=2, bidirectional=True)
+    x = torch.randn(4, 3, 5)
+    h_size = 4 if "projections" in layer else 7
+    h0 = torch.randn(4, 3, h_size)
+    hx = (h0, torch.randn(4, 3, 7)) if layer.startswith("LSTM") else h0
+    assert_runs_match(module, x, hx, device="kiln:1")
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "RNN tanh"])
+def test_dropout_between_layers_in_training_is_cpus(layer):
     """The dropout between layers draws from the kiln generator in CPU's
-    sequence (Note [Kiln random numbers]), so with one seed the masks and
-    results are CPU's."""
+    sequence (Note [Kiln random numbers]): with one seed, CPU's masks."""
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(5, 7, num_layers=3, dropout=0.5)
-    x = torch.randn(6, 2, 5)
-    results = []
-    for device in ("kiln", "cpu"):
-        torch.manual_seed(1)
-        results.append(lstm_step(lstm, x, None, device))
-    for got, expected in zip(*results):
-        assert_same(got, expected)
+    module = LAYERS[layer](num_layers=3, dropout=0.5)
+    assert_runs_match(module, torch.randn(6, 2, 5), seed=1)
 
 
-def test_lstm_on_a_side_stream_without_grad_and_on_a_noncontiguous_input():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layer", ["LSTM", "GRU"])
+def test_other_dtypes_are_cpus_bits(layer, dtype):
+    """float64 and float16 take the step-by-step CPU path, bfloat16 LSTMs
+    oneDNN's where it supports bfloat16 (as on the CPU)."""
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(5, 7, num_layers=2)
+    module = LAYERS[layer](num_layers=2, bidirectional=True)
+    assert_runs_match(module, torch.randn(4, 3, 5), dtype=dtype)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cells_are_cpus_bits(cls, bias):
+    torch.manual_seed(0)
+    module = cls(5, 7, bias=bias)
+    x = torch.randn(3, 5)
+    hx = (torch.randn(3, 7), torch.randn(3, 7)) if cls is nn.LSTMCell else torch.randn(3, 7)
+    assert_runs_match(module, x, hx)
+    assert_runs_match(module, x)  # zero initial state
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU"])
+def test_inference_mode_on_a_side_stream_with_a_noncontiguous_input(layer):
+    """inference_mode skips the autograd key, where kiln's kernels are
+    registered too (without that, it ran the fused cells)."""
+    torch.manual_seed(0)
+    module = LAYERS[layer](num_layers=2)
     x = torch.randn(5, 8, 3).transpose(0, 2)  # (3, 8, 5), not contiguous
-    kiln_lstm = copy.deepcopy(lstm).to("kiln")
+    kiln_module = copy.deepcopy(module).to("kiln")
     x_kiln = x.to("kiln").transpose(0, 2).contiguous().transpose(0, 2)
     assert not x_kiln.is_contiguous()
     stream = torch.kiln.Stream()
     with torch.inference_mode(), torch.kiln.stream(stream):
-        out, (h_n, c_n) = kiln_lstm(x_kiln)
+        out, state = kiln_module(x_kiln)
     stream.synchronize()
     with torch.inference_mode():
-        expected, (expected_h, expected_c) = lstm(x)
+        expected, expected_state = module(x)
     assert_same(out, expected)
-    assert_same(h_n, expected_h)
-    assert_same(c_n, expected_c)
+    for s, e in zip(state if isinstance(state, tuple) else (state,),
+                    expected_state if isinstance(expected_state, tuple) else (expected_state,)):
+        assert_same(s, e)
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="oneDNN has no bfloat16 LSTM on this CPU: CPU and kiln both take "
-                           "another path, compared to rounding in the fused-cells test")
-def test_bfloat16_lstm_is_cpus_bits():
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_packed_sequences_take_the_fused_cells(cls):
+    """Packed sequences keep PyTorch's composite: CPU's results to rounding."""
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(5, 7, num_layers=2, bidirectional=True)
+    module = cls(5, 7, num_layers=2, bidirectional=True)
     x = torch.randn(4, 3, 5)
-    got = lstm_step(lstm, x, None, "kiln", torch.bfloat16)
-    expected = lstm_step(lstm, x, None, "cpu", torch.bfloat16)
-    for g, e in zip(got, expected):
-        assert_same(g, e)
+    lengths = torch.tensor([4, 2, 1])
+    results = []
+    for device in ("kiln", "cpu"):
+        m = copy.deepcopy(module).to(device)
+        packed = nn.utils.rnn.pack_padded_sequence(x.to(device), lengths)
+        out, _ = m(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out)
+        padded.sum().backward()
+        results.append([padded.detach().cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_lstm_bad_arguments_raise_pytorchs_errors():
-    lstm = torch.nn.LSTM(4, 3).to("kiln")
-    x = torch.randn(5, 2, 4, device="kiln")
-    with pytest.raises(RuntimeError, match="not at the same device"):
-        lstm(x, (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)))
-    with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 2, 3\), got \[1, 2, 5\]"):
-        lstm(x, (torch.zeros(1, 2, 5, device="kiln"), torch.zeros(1, 2, 3, device="kiln")))
-    with pytest.raises(RuntimeError, match="larger than 0"):
-        lstm(torch.randn(0, 2, 4, device="kiln"))
-    weights = list(lstm._flat_weights)
-    with pytest.raises(RuntimeError, match="lstm expects two hidden states"):
-        torch._VF.lstm(x, [torch.zeros(1, 2, 3, device="kiln")], weights, True, 1, 0.0, True,
-                       False, False)
-    with pytest.raises(RuntimeError, match="incorrect number of RNN parameters"):
-        torch._VF.lstm(x, [torch.zeros(1, 2, 3, device="kiln")] * 2, weights[:3], True, 1, 0.0,
-                       True, False, False)
+def compiled_step(module, x, device, backend, dynamic):
+    """(output, input gradient, parameter gradients) of `module` compiled
+    with torch._dynamo.config.allow_rnn (Dynamo otherwise runs recurrent
+    layers eagerly)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    module = copy.deepcopy(module).to(device)
+    x = x.to(device).requires_grad_()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        out = torch.compile(module, backend=backend, dynamic=dynamic)(x)[0]
+    torch._dynamo.reset()
+    (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+    return [out.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("layer,backend,dynamic,device", [
+    ("RNN tanh", "inductor", False, "kiln:1"),
+    pytest.param("GRU", "aot_eager", True, "kiln:0", marks=pytest.mark.slow),
+    pytest.param("GRU", "inductor", False, "kiln:0", marks=pytest.mark.slow),
+    pytest.param("RNN relu", "inductor", True, "kiln:0", marks=pytest.mark.slow)])
+def test_compiled_layers_are_compiled_cpus_bits(layer, backend, dynamic, device):
+    """Traced, kiln's layers take PyTorch's Python decompositions as CPU's
+    do (Note [Tracing kiln's recurrent layers]), and Inductor lowers their
+    concatenations as on the CPU (Note [Kiln takes Inductor's CPU
+    heuristics]); before, an nn.RNN(6, 8)'s compiled gradients were 9.5e-7
+    off compiled CPU's. (Compiled CPU LSTMs fail in 2.13, in oneDNN's
+    decomposition: see the next test.)"""
+    torch.manual_seed(0)
+    module = LAYERS[layer](num_layers=2, bidirectional=dynamic)
+    x = torch.randn(4, 3, 5)
+    for got, expected in zip(compiled_step(module, x, device, backend, dynamic),
+                             compiled_step(module, x, "cpu", backend, dynamic)):
+        assert_same(got, expected)
 
 
 def test_compiled_lstm_with_allow_rnn_traces_on_kiln():
-    """Traced LSTMs keep the fused cells: mkldnn_rnn_layer's meta kernel
-    gives an empty workspace, which only Inductor's CPU lowering accounts
-    for (the compiled kiln graph failed its size assertion). Compiled kiln
-    is CPU's result to rounding there, as eager kiln was before
-    OneDnnLstm.cc; by default Dynamo runs an LSTM eagerly (CPU's bits).
-    (Compared with eager CPU: compiled CPU fails in 2.13 when the input does
-    not require grad, "expected Tensor() for op mkldnn_rnn_layer".)"""
+    """Traced LSTMs do not take oneDNN's path: mkldnn_rnn_layer's meta
+    kernel gives an empty workspace, which only Inductor's CPU lowering
+    accounts for (the compiled kiln graph failed its size assertion).
+    By default Dynamo runs an LSTM eagerly (CPU's bits). Compared with
+    eager CPU: compiled CPU LSTMs fail in 2.13 ("expected Tensor() for op
+    mkldnn_rnn_layer" under Inductor when the input does not require grad,
+    "expected all tensors_saved_with_vc_check to be Tensors" under
+    aot_eager)."""
     import torch._dynamo
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(6, 8, batch_first=True)
+    lstm = nn.LSTM(6, 8, batch_first=True)
     x = torch.randn(3, 4, 6)
     torch._dynamo.reset()
     model = copy.deepcopy(lstm).to("kiln")
@@ -172,3 +223,33 @@ def test_compiled_lstm_with_allow_rnn_traces_on_kiln():
     torch.testing.assert_close(out.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
     for k, c in zip(model.parameters(), lstm.parameters()):
         torch.testing.assert_close(k.grad.cpu(), c.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_raise_pytorchs_errors():
+    lstm = nn.LSTM(4, 3).to("kiln")
+    x = torch.randn(5, 2, 4, device="kiln")
+    with pytest.raises(RuntimeError, match="not at the same device"):
+        lstm(x, (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)))
+    with pytest.raises(RuntimeError, match=r"Expected hidden\[0\] size \(1, 2, 3\), got \[1, 2, 5\]"):
+        lstm(x, (torch.zeros(1, 2, 5, device="kiln"), torch.zeros(1, 2, 3, device="kiln")))
+    with pytest.raises(RuntimeError, match="larger than 0"):
+        lstm(torch.randn(0, 2, 4, device="kiln"))
+    with pytest.raises(ValueError, match="does not match weight dtype"):
+        lstm(x.double())
+    weights = list(lstm._flat_weights)
+    with pytest.raises(RuntimeError, match="lstm expects two hidden states"):
+        torch._VF.lstm(x, [torch.zeros(1, 2, 3, device="kiln")], weights, True, 1, 0.0, True,
+                       False, False)
+    with pytest.raises(RuntimeError, match="incorrect number of RNN parameters"):
+        torch._VF.lstm(x, [torch.zeros(1, 2, 3, device="kiln")] * 2, weights[:3], True, 1, 0.0,
+                       True, False, False)
+    gru = nn.GRU(4, 3).to("kiln")
+    with pytest.raises(RuntimeError, match="Expected hidden size"):
+        gru(x, torch.zeros(2, 2, 3, device="kiln"))
+    cell = nn.GRUCell(4, 3).to("kiln")
+    with pytest.raises(RuntimeError, match="input has inconsistent input_size"):
+        torch.gru_cell(torch.randn(2, 5, device="kiln"), torch.zeros(2, 3, device="kiln"),
+                       cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    with pytest.raises(RuntimeError, match="doesn't match hidden0 batch size"):
+        torch.gru_cell(torch.randn(2, 4, device="kiln"), torch.zeros(3, 3, device="kiln"),
+                       cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)

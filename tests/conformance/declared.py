@@ -11,20 +11,6 @@ from __future__ import annotations
 
 from compare import Tolerance
 
-_RNN_CPU_BRANCH = (
-    "ATen's RNN layer (RNN.cpp FullLayer) precomputes the input projection for all time "
-    "steps only when input.is_cpu(); kiln takes the per-step branch, so weight_ih/bias_ih "
-    "gradients are summed in another order")
-_RNN_FUSED_CELLS = (
-    "ATen's LSTM/GRU layers and cells (RNN.cpp) hand every non-CPU device to the fused cells "
-    "_thnn_fused_lstm_cell/_thnn_fused_gru_cell, which kiln implements with CUDA's math "
-    "(RecurrentCells.cc): the biases are added after the matrix products, where CPU's unfused "
-    "cell adds them inside, and the layers take the per-step branch (see the RNN reason): "
-    "last-bit differences")
-_LSTM_PROJECTIONS = (
-    "A float32 LSTM takes CPU's oneDNN path on kiln (OneDnnLstm.cc) and gives CPU's bits, "
-    "except with projections (proj_size), which CPU's oneDNN path does not take either: "
-    "there ATen hands kiln to the fused cells (see the fused-cells reason)")
 _LCE_AUTO_POLICY = (
     "F.linear_cross_entropy resolves acc_policy='auto' per device type "
     "(linear_cross_entropy_options._AUTO_DEFAULTS has 'accurate' for cpu, the 'compact' "
@@ -35,16 +21,7 @@ _LSTSQ_NONDETERMINISTIC = (
     "(the same call gives other last bits run to run, without kiln loaded)")
 
 # (op, dtype name or None, pass or None) -> (tolerance, reason)
-TOLERANCES: dict[tuple[str, str | None, str | None], tuple[Tolerance, str]] = {
-    ("nn.RNN.train_mode", None, "modules"): (Tolerance(atol=1e-5, rtol=1e-5), _RNN_CPU_BRANCH),
-    ("nn.RNN.eval_mode", None, "modules"): (Tolerance(atol=1e-5, rtol=1e-5), _RNN_CPU_BRANCH),
-}
-for _module in ("nn.LSTM.train_mode", "nn.LSTM.eval_mode", "nn.GRU.train_mode",
-                "nn.GRU.eval_mode", "nn.LSTMCell", "nn.GRUCell"):
-    for _dtype, _tol in (("float32", 1e-5), ("float64", 1e-12)):
-        _reason = (_LSTM_PROJECTIONS if _module.startswith("nn.LSTM.") and _dtype == "float32"
-                   else _RNN_FUSED_CELLS)
-        TOLERANCES[(_module, _dtype, "modules")] = (Tolerance(atol=_tol, rtol=_tol), _reason)
+TOLERANCES: dict[tuple[str, str | None, str | None], tuple[Tolerance, str]] = {}
 for _op in ("linalg.lstsq", "linalg.lstsq.grad_oriented"):
     for _dtype, _tol in (("float32", 1e-4), ("complex64", 1e-4), ("float64", 1e-10)):
         TOLERANCES[(_op, _dtype, None)] = (Tolerance(atol=_tol, rtol=_tol),

@@ -90,10 +90,11 @@ def _register_trace_rules() -> None:
 
 
 def _register_fake_rules() -> None:
-    from torch_kiln.compiler import fake_convolution, normalization
+    from torch_kiln.compiler import fake_convolution, normalization, recurrent_layers
 
     fake_convolution.register()
     normalization.register_fake_rules()
+    recurrent_layers.register()
 
 
 def _register_decompositions() -> None:

@@ -11,7 +11,9 @@ device backend's part of the key is the ``device_custom_pass`` of
 the graph unchanged and its uuid hashes kiln's code generator: the sources of
 this package, the compiler package's DeviceInterface and convolution
 strides under FakeTensorMode (fake_convolution.py), the normalization
-rules (normalization.py), the identity of
+rules (normalization.py), the small matmul decompositions
+(small_matmuls.py), the traced recurrent layers (recurrent_layers.py), the
+identity of
 the ``torch_kiln._C`` build that launches the kernels, and the intra-op
 thread count the kernels are generated for.
 """
@@ -40,6 +42,8 @@ def codegen_uuid() -> str:
     files.append(str(here.parent / "normalization.py"))
     # Small matmul decompositions (CPU's branch on kiln).
     files.append(str(here.parent / "small_matmuls.py"))
+    # Recurrent layers traced with CPU's Python decompositions.
+    files.append(str(here.parent / "recurrent_layers.py"))
     files = [f for f in files if os.path.exists(f)]
     stat = os.stat(torch_kiln._C.__file__)
     build = f"{torch_kiln._C.__file__}:{stat.st_size}:{stat.st_mtime_ns}".encode()

@@ -164,7 +164,8 @@ def _fix_flush_before_deviceless_extern_calls() -> None:
 # logical-index path is enabled only for Triton and device "cpu".
 # The fixes below give kiln the CPU answer at
 # each such heuristic that changes only *how* the graph is computed (which
-# kernel, which layout, what to realize, how a value is rounded), never
+# kernel, which layout, what to realize, how a value is rounded, how a
+# concatenation fuses), never
 # which operators run: the
 # mkldnn fusion passes, which rewrite graphs into CPU-only mkldnn operators,
 # stay off for kiln. A chip's backend would choose its own answers here.
@@ -363,6 +364,29 @@ def _fix_small_bmm() -> None:
     bmm.tuned_bmm = tuned_bmm
 
 
+def _fix_concatenation() -> None:
+    # Inductor's cat lowering always builds a ConcatKernel on the CPU (each
+    # input computed straight into its slice of the output), and on other
+    # devices may choose pointwise_cat (one kernel reading every input
+    # masked). On kiln the pointwise form fused the backward of a compiled
+    # nn.RNN otherwise than CPU's, summing the bias gradients in another
+    # order (9.5e-7 off compiled CPU). pointwise_cat is called only by that
+    # lowering, after the processing both branches share, so for kiln it
+    # builds CPU's ConcatKernel, unless config.force_pointwise_cat asks for
+    # the pointwise form on every device. (The CPU's int8/uint8 fallback to
+    # ATen's cat is not reproduced: integer bits are the same either way.)
+    from torch._inductor import config, ir, lowering
+
+    original = lowering.pointwise_cat
+
+    def pointwise_cat(inputs, dim=0):
+        if _on_kiln(*inputs) and not config.force_pointwise_cat:
+            return lowering.TensorBox(ir.ConcatKernel.create(inputs, dim))
+        return original(inputs, dim)
+
+    lowering.pointwise_cat = pointwise_cat
+
+
 def _fix_integer_truncation_division() -> None:
     # Inductor's C++ writes integer truncation division
     # (torch.div(a, b, rounding_mode="trunc") on integers) as a bare
@@ -424,6 +448,7 @@ def install() -> None:
     _fix_logical_index_argreduce()
     _fix_convolution_bias()
     _fix_small_bmm()
+    _fix_concatenation()
     _fix_integer_truncation_division()
     _fix_flush_before_deviceless_extern_calls()
     # Kiln's normalization and small matmul decompositions are not here: they must be in

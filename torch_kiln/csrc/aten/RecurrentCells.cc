@@ -9,9 +9,10 @@
 // (i, f, g, o) for LSTM and (r, z, n) for GRU, and the same workspace layout,
 // so PyTorch's autograd formulas apply unchanged. Because the fused path adds
 // the biases after the matrix products where CPU's unfused path adds them
-// inside, results agree with CPU to rounding, not bit for bit. (A float32
-// or bfloat16 nn.LSTM without projections does not come here: it takes
-// CPU's oneDNN path, OneDnnLstm.cc.)
+// inside, results agree with CPU to rounding, not bit for bit. Kiln's
+// layers and cells take CPU's path instead (RecurrentLayers.cc); these
+// kernels remain for what that file leaves to PyTorch's composites (packed
+// sequences) and for direct calls.
 //
 // PyTorch has Meta kernels for the LSTM cell's two operators but none for
 // the GRU cell's; kiln registers them (fusedGruCellMeta, ...), so
