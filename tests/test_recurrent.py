@@ -243,6 +243,16 @@ def test_bad_arguments_raise_pytorchs_errors():
     with pytest.raises(RuntimeError, match="incorrect number of RNN parameters"):
         torch._VF.lstm(x, [torch.zeros(1, 2, 3, device="kiln")] * 2, weights[:3], True, 1, 0.0,
                        True, False, False)
+    # oneDNN reads a wrong-shaped weight past its end, unchecked (garbage,
+    # on the CPU too); kiln takes the step-by-step path, which rejects it.
+    bad = nn.LSTM(5, 4).to("kiln")
+    bad.weight_hh_l0.data = torch.randn(16, 1, device="kiln")
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        bad(torch.randn(3, 2, 5, device="kiln"))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch._VF.lstm(torch.randn(3, 2, 5, device="kiln"),
+                       [torch.zeros(2, 2, 4, device="kiln")] * 2,
+                       [torch.randn(3, 3, device="kiln")] * 8, True, 2, 0.0, True, False, False)
     gru = nn.GRU(4, 3).to("kiln")
     with pytest.raises(RuntimeError, match="Expected hidden size"):
         gru(x, torch.zeros(2, 2, 3, device="kiln"))

@@ -11,11 +11,14 @@ instead reaches PyTorch's Python decompositions of these operators
 (``torch._decomp.decompositions``: ``lstm_impl``, ``gru_impl``,
 ``rnn_tanh_input``, ``rnn_relu_input``, registered with ``py_impl`` for the
 CompositeImplicitAutograd and Autograd keys), while a kiln tensor found
-kiln's C++ kernel at AutogradPrivateUse1 first. The graphs differed, and a
-compiled ``nn.RNN(6, 8)`` (``torch._dynamo.config.allow_rnn``) gave
-gradients 9.5e-7 off compiled CPU's under Inductor. ``register()`` adds the
-same Python functions for kiln's two keys; ``py_impl`` only affects the
-Python dispatcher, so eager kiln keeps its C++ kernels. (The LSTM
+kiln's C++ kernel at AutogradPrivateUse1 first. The graphs differed node for
+node (CPU's decomposition keeps (1, B, H) hidden states), so a compiled
+kiln layer (``torch._dynamo.config.allow_rnn``) could not give compiled
+CPU's bits. ``register()`` adds the same Python functions for kiln's two
+keys; ``py_impl`` only affects the Python dispatcher, so eager kiln keeps
+its C++ kernels. With this and Inductor's concatenation on kiln
+(``_fix_concatenation`` in ``inductor/fixes.py``), compiled GRUs and RNNs
+give compiled CPU's bits (``tests/test_recurrent.py``). (The LSTM
 decomposition takes oneDNN's layer only for CPU tensors without grad, so
 there a traced kiln LSTM still takes the step-by-step form.)
 """

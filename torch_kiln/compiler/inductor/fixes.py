@@ -368,9 +368,10 @@ def _fix_concatenation() -> None:
     # Inductor's cat lowering always builds a ConcatKernel on the CPU (each
     # input computed straight into its slice of the output), and on other
     # devices may choose pointwise_cat (one kernel reading every input
-    # masked). On kiln the pointwise form fused the backward of a compiled
-    # nn.RNN otherwise than CPU's, summing the bias gradients in another
-    # order (9.5e-7 off compiled CPU). pointwise_cat is called only by that
+    # masked). On kiln the pointwise form split the backward of a compiled
+    # nn.RNN into other kernels than CPU's (the stacked per-step gradients
+    # outside the steps' kernels), and its gradients were up to 9.5e-7 off
+    # compiled CPU's for the same graph. pointwise_cat is called only by that
     # lowering, after the processing both branches share, so for kiln it
     # builds CPU's ConcatKernel, unless config.force_pointwise_cat asks for
     # the pointwise form on every device. (The CPU's int8/uint8 fallback to

@@ -23,7 +23,7 @@
 // operators in the same order (mkldnn_rnn_layer runs its CPU kernel through
 // the op executor). Forward and backward (autograd records the composing
 // operators) are then CPU's bits; before, kiln's LSTM, GRU and RNN differed
-// from CPU's by ~1e-7. The kernels are registered for AutogradPrivateUse1,
+// from CPU's by up to ~3e-7. The kernels are registered for AutogradPrivateUse1,
 // as dropout is (Dropout.cc), and for PrivateUse1, which inference_mode
 // reaches without the autograd key.
 //
@@ -144,6 +144,42 @@ bool takesOneDnnPath(const at::Tensor& input, at::TensorList hx, bool has_projec
     default:
       return false;
   }
+}
+
+// Whether the weights and states have an LSTM's shapes: hidden states
+// (layers * directions, B, H), w_ih (4H, F) for the first layer and
+// (4H, directions * H) after it, w_hh (4H, H), biases (4H). oneDNN's
+// primitive reads them as the sizes it is given imply, unchecked: a
+// wrong-shaped weight read past its end (garbage results, on the CPU too).
+// Kiln sends such arguments down the step-by-step path, whose matrix
+// products reject them with ATen's shape errors.
+bool hasLstmShapes(const at::Tensor& input, at::TensorList hx, at::TensorList params,
+                   bool has_biases, int64_t num_layers, bool bidirectional, bool batch_first) {
+  const int64_t directions = bidirectional ? 2 : 1;
+  const int64_t per_layer = has_biases ? 4 : 2;
+  const int64_t hidden = hx[0].size(2);
+  const int64_t batch = input.size(batch_first ? 0 : 1);
+  const std::vector<int64_t> state_shape = {num_layers * directions, batch, hidden};
+  if (hx[0].sizes() != at::IntArrayRef(state_shape) ||
+      hx[1].sizes() != at::IntArrayRef(state_shape)) {
+    return false;
+  }
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const int64_t features = layer == 0 ? input.size(2) : directions * hidden;
+    for (int64_t direction = 0; direction < directions; ++direction) {
+      const int64_t first = (layer * directions + direction) * per_layer;
+      const std::vector<int64_t> w_ih = {4 * hidden, features};
+      const std::vector<int64_t> w_hh = {4 * hidden, hidden};
+      const std::vector<int64_t> bias = {4 * hidden};
+      if (params[first].sizes() != at::IntArrayRef(w_ih) ||
+          params[first + 1].sizes() != at::IntArrayRef(w_hh) ||
+          (has_biases && (params[first + 2].sizes() != at::IntArrayRef(bias) ||
+                          params[first + 3].sizes() != at::IntArrayRef(bias)))) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 // One mkldnn_rnn_layer per layer and direction, directions concatenated on
@@ -328,7 +364,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm(
     return at::native::lstm(input, hx, params, has_biases, num_layers, dropout, train,
                             bidirectional, batch_first);
   }
-  if (takesOneDnnPath(input, hx, has_projections)) {
+  if (takesOneDnnPath(input, hx, has_projections) &&
+      hasLstmShapes(input, hx, params, has_biases, num_layers, bidirectional, batch_first)) {
     return oneDnnLstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                       batch_first);
   }
