@@ -249,6 +249,49 @@ def test_async_copy_to_host_of_a_result_failed_on_another_stream_raises(device, 
         assert (torch.ones(2, device=device) * 2).tolist() == [2.0, 2.0]  # works again
 
 
+# Ops that run on the host, synchronously: data-dependent results, and the
+# first call per kind of input (Note [Verifying meta kernels]).
+HOST_READS = {
+    "nonzero": lambda w: w.nonzero(),
+    "masked_select": lambda w: w[w > 100],
+    "unique": lambda w: torch.unique(w),
+    "equal": lambda w: torch.equal(w, torch.zeros_like(w)),
+    "repeat_interleave": lambda w: torch.repeat_interleave(w.long().clamp(0, 3)),
+    "kthvalue": lambda w: torch.kthvalue(w.view(2, 2), 1, dim=1, keepdim=True).values,
+    "median": lambda w: torch.median(w.view(2, 2), dim=0).values,
+}
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("join", ["wait_stream", "wait_event"])
+@pytest.mark.parametrize("read", sorted(HOST_READS))
+def test_host_side_op_on_a_result_failed_on_another_stream_raises(device, join, read):
+    """A synchronous op reads its inputs on the host: a failed result raises
+    there (the failure itself while unraised, then "never computed"), as
+    .cpu() does, instead of reading memory no kernel wrote."""
+    w, side = _fail_on_side_stream_then_join(device, join)
+    with pytest.raises((IndexError, RuntimeError), match="index_select"):
+        result = HOST_READS[read](w)
+        if isinstance(result, torch.Tensor):
+            result.cpu()
+    with pytest.raises(RuntimeError, match="never computed.*index_select"):
+        HOST_READS[read](w)  # after the failure was raised
+    torch.kiln.synchronize()
+
+
+def test_host_side_op_on_a_result_failed_on_another_device_raises():
+    """A peer copy passes the mark on, so a read on kiln:0 of a result that
+    failed on kiln:1 raises (before, nonzero and max read zeros); kiln:1's
+    synchronization raises the failure itself."""
+    x = torch.arange(12.0, device="kiln:1").reshape(3, 4)
+    moved = x[torch.tensor([0, 9], device="kiln:1")].to("kiln:0")
+    for read in (lambda: moved.nonzero(), lambda: moved.max().cpu()):
+        with pytest.raises(RuntimeError, match="never computed.*copy from kiln:1 was skipped"):
+            read()
+    with pytest.raises(IndexError, match="index 9 is out of bounds"):
+        torch.kiln.synchronize("kiln:1")
+
+
 @pytest.mark.parametrize("source, target", [("kiln:0", "kiln:1"), ("kiln:1", "kiln:0")])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed-source", "strided-target"])
 def test_peer_copy_of_a_result_failed_on_another_stream_is_marked(source, target, layout):

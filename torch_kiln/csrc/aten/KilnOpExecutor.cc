@@ -6,6 +6,7 @@
 #include <cctype>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -31,6 +32,7 @@
 #include "aten/OpTracking.h"
 #include "aten/SparseTensors.h"
 #include "aten/TensorAliases.h"
+#include "core/FailedResults.h"
 #include "core/KilnException.h"
 #include "core/KilnFunctions.h"
 #include "core/KilnGenerator.h"
@@ -842,13 +844,38 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
     }
   }
 
+  // Note [Results of failed kernels]: the kernel reads its inputs here, on
+  // the host, so an input whose kernel failed is not read but raised, as a
+  // host read raises. Checked when the task runs: a failure on another
+  // stream, ordered before it by an event, has marked its results by then.
+  std::vector<const void*> input_storages;
+  for (size_t i = 0; i < num_args; ++i) {
+    if (!info.arg_is_out[i]) {
+      forEachTensorIn((*stack)[first + i], info.arg_kinds[i], [&](const at::Tensor& t) {
+        if (t.defined() && t.device().is_privateuseone() && t.has_storage()) {
+          input_storages.push_back(t.storage().data());
+        }
+      });
+    }
+  }
+
   struct Outcome {
     Stack results;
     std::exception_ptr error;
+    std::optional<std::string> failed_input; // the reason of a marked input's mark
   };
   auto outcome = std::make_shared<Outcome>();
   launchTask(stream, info.schema->name().c_str(),
-             [op, args = std::move(host_args), outcome]() mutable {
+             [op, args = std::move(host_args), outcome,
+              input_storages = std::move(input_storages)]() mutable {
+               if (c10::kiln::anyFailedResults()) {
+                 for (const void* data : input_storages) {
+                   if (auto reason = c10::kiln::failedResultReason(data)) {
+                     outcome->failed_input = std::move(reason);
+                     return;
+                   }
+                 }
+               }
                try {
                  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
                  outcome->results = std::move(args);
@@ -858,6 +885,9 @@ void runSynchronously(const c10::OperatorHandle& op, const OpSchemaInfo& info,
                }
              });
   stream.synchronize();
+  if (outcome->failed_input) {
+    c10::kiln::raiseFailedResult(*outcome->failed_input, device.index());
+  }
   if (outcome->error) {
     if (probe != nullptr) {
       try {

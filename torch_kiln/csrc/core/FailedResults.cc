@@ -61,13 +61,18 @@ bool anyFailedResults() {
   return registry().count.load(std::memory_order_relaxed) != 0;
 }
 
+void raiseFailedResult(const std::string& reason, c10::DeviceIndex device) {
+  device_synchronize(device); // raises the failure if no synchronization has yet
+  TORCH_CHECK(false,
+              "The values of this kiln tensor were never computed: the device kernel that should "
+              "have written them failed (", reason,
+              "). The failure itself is raised by a synchronization of the stream it ran on; "
+              "recompute the tensor.");
+}
+
 void checkNotFailedResult(const void* data, c10::DeviceIndex device) {
   if (const auto reason = failedResultReason(data)) {
-    device_synchronize(device); // raises the failure if no synchronization has yet
-    TORCH_CHECK(false,
-                "The values of this kiln tensor were never computed: the device kernel that should "
-                "have written them failed (", *reason,
-                "). That error was raised at an earlier synchronization; recompute the tensor.");
+    raiseFailedResult(*reason, device);
   }
 }
 

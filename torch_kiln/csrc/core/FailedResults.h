@@ -18,7 +18,10 @@
 //     input is marked by the time it runs (a failure on another stream,
 //     ordered before it by an event); neither computes;
 //   * reading a marked storage back to the host (item(), .cpu(), printing,
-//     copies) raises a RuntimeError naming the original failure; an
+//     copies) raises a RuntimeError naming the original failure, and so does
+//     an op that runs synchronously on a marked input (a data-dependent op
+//     such as nonzero, unique or torch.equal, or a first call's layout check:
+//     KilnOpExecutor's runSynchronously checks its inputs in stream order); an
 //     asynchronous copy into pinned memory, whose source may be marked only
 //     by the time it runs, fails its stream then (Copy.cc,
 //     HostCopySourceCheck), so the synchronization the program waits on
@@ -60,7 +63,10 @@ bool anyFailedResults();
 // marked: first the failure itself if it is still pending on one of the
 // device's streams (device_synchronize raises it: the kernel may have run on
 // another stream than the reader's, e.g. a collective on a communication
-// stream), else a RuntimeError naming the failure, which was raised before.
+// stream), else a RuntimeError naming the failure (raised before, or
+// pending on another device, whose kernel's result a peer copy brought).
 void checkNotFailedResult(const void* data, c10::DeviceIndex device);
+// What checkNotFailedResult throws for a mark with this reason.
+[[noreturn]] void raiseFailedResult(const std::string& reason, c10::DeviceIndex device);
 
 } // namespace c10::kiln
