@@ -213,6 +213,23 @@ def test_indexing_with_cpu_index_tensor_and_cpu_scalar():
     print(a[idx])
 
 
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_cpu_index_tensors_after_slices_none_and_ellipsis(device):
+    """Python's indexing passes a slice, None or ... before a CPU index tensor
+    as an undefined tensor in the index list; that raised "tensor does not
+    have a device" (found by a fresh-user sweep)."""
+    x_cpu = torch.arange(24.0).reshape(2, 3, 4)
+    x = x_cpu.to(device)
+    i, mask = torch.tensor([1, 0]), torch.tensor([True, False, True, False])
+    for index in [(slice(None), i), (Ellipsis, i), (None, i), (slice(1, None), slice(None), mask),
+                  (i, slice(None), i), (slice(None), torch.tensor([[0, 1], [2, 2]]))]:
+        assert_same(x[index], x_cpu[index])
+        written, written_cpu = x.clone(), x_cpu.clone()
+        written[index] = -1.0
+        written_cpu[index] = -1.0
+        assert_same(written, written_cpu)
+
+
 def test_type_promotion_follows_result_type():
     cases = [
         (torch.tensor([1, 2], dtype=torch.int32), 2.5),

@@ -236,7 +236,9 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
       // Indexing with CPU index tensors works as on CUDA: move them over.
       std::vector<std::optional<at::Tensor>> moved;
       for (const c10::IValue& element : value.toListRef()) {
-        if (element.isTensor()) {
+        // Python's indexing passes a slice, None or ... as an undefined
+        // tensor (x[:, i]), not as None.
+        if (element.isTensor() && element.toTensor().defined()) {
           const at::Tensor& t = element.toTensor();
           // Pageable indices are staged at the call, so the copy need not
           // wait; pinned ones are not, so that copy completes first
@@ -251,7 +253,7 @@ c10::Device resolveDevice(const OpSchemaInfo& info, Stack* stack, size_t first) 
       if (kind == ArgKind::TensorList) {
         std::vector<at::Tensor> tensors;
         for (auto& t : moved) {
-          tensors.push_back(*t);
+          tensors.push_back(t.value_or(at::Tensor()));
         }
         value = c10::IValue(c10::List<at::Tensor>(tensors));
       } else {
