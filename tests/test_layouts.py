@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import assert_same
+from conftest import assert_same, run_python
 
 
 def test_batch_norm_on_transposed_input_trains_like_cpu():
@@ -176,3 +176,37 @@ def test_group_norm_on_channels_last_input_takes_cudas_backward():
     F.group_norm(x_kiln, 2, w.to("kiln")).backward(grad.to("kiln"))
     F.group_norm(x_cpu, 2, w).backward(grad)
     assert_same(x_kiln.grad, x_cpu.grad)
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_pixel_shuffle_keeps_channels_last_as_on_cpu(device):
+    """pixel_shuffle and pixel_unshuffle have a CPU kernel, which keeps a
+    channels-last input's format, and a generic one, which kiln ran before:
+    contiguous outputs (strides (96, 48, 8, 1) for CPU's (96, 1, 16, 2))."""
+    x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    x_kiln = x.detach().to(device).requires_grad_()
+    for op, factor in ((F.pixel_shuffle, 2), (F.pixel_unshuffle, 2)):
+        out, out_kiln = op(x, factor), op(x_kiln, factor)
+        assert out_kiln.stride() == out.stride()
+        assert_same(out_kiln, out.detach())
+        grad = torch.randn_like(out)
+        (x_grad,) = torch.autograd.grad(out, x, grad)
+        (x_grad_kiln,) = torch.autograd.grad(out_kiln, x_kiln, grad.to(device))
+        assert x_grad_kiln.stride() == x_grad.stride()
+        assert_same(x_grad_kiln, x_grad)
+
+
+def test_a_first_call_on_degenerate_shapes_does_not_vouch_for_the_meta_kernel():
+    """A (1, 1) result agrees with any dimension order: after linalg.eig of a
+    1x1 matrix first, a 2x2 matrix's eigenvectors came out row-major where
+    CPU's are column-major (Note [Verifying meta kernels]). A fresh process,
+    so that the 1x1 call is the first of its kind."""
+    result = run_python(
+        "import torch, torch_kiln\n"
+        "for shape in [(1, 1), (2, 2), (1, 3, 3), (4, 4)]:\n"
+        "    m = torch.randn(*shape)\n"
+        "    cpu, kiln = torch.linalg.eig(m)[1], torch.linalg.eig(m.to('kiln'))[1]\n"
+        "    assert kiln.stride() == cpu.stride(), (shape, kiln.stride(), cpu.stride())\n"
+        "    assert torch.equal(kiln.cpu(), cpu), shape\n"
+        "print('ok')\n")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

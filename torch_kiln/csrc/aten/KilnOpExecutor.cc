@@ -105,7 +105,10 @@ namespace at::kiln {
 // the CPU kernel's result layouts with the meta kernel's. If they agree,
 // later calls of that class trust the meta kernel and run asynchronously;
 // if not, each new argument signature of that class takes its layouts from
-// one synchronous CPU run. Training and inference loops meet a handful of
+// one synchronous CPU run. Agreement on a result whose strides show no
+// order of its dimensions (rank 2 or more, at most one dimension longer
+// than 1: linalg.eig of a 1x1 matrix) proves nothing, so it leaves the
+// class unverified: the next call checks again. Training and inference loops meet a handful of
 // layout classes, so this costs a few synchronizations at the start; they
 // show in torch.kiln.get_sync_ops().
 //
@@ -1174,6 +1177,7 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
       growAliasedOutStorages(info, *stack, first, *meta);
       runSynchronously(op, info, stack, first, device, &probe);
       bool agree = true;
+      bool decisive = true; // every layout compared shows its dimension order
       for (size_t r = 0; r < info.returns.size() && agree; ++r) {
         if (info.returns[r].kind != ReturnKind::Fresh) {
           continue;
@@ -1183,15 +1187,22 @@ void runOnKiln(const c10::OperatorHandle& op, Stack* stack) {
         agree = expected.size() == actual.size();
         for (size_t k = 0; k < expected.size() && agree; ++k) {
           agree = expected[k].sameAs(actual[k]);
+          decisive = decisive && actual[k].showsDimensionOrder();
         }
       }
       for (size_t i = 0; i < num_args && agree; ++i) {
         if (probe.cpu_out_args[i].has_value()) {
           agree = meta->mutable_args[i].size() == 1 &&
               meta->mutable_args[i][0].sameAs(*probe.cpu_out_args[i]);
+          decisive = decisive && probe.cpu_out_args[i]->showsDimensionOrder();
         }
       }
-      LayoutCache::setTrust(*layout_class, agree);
+      // Agreement on a degenerate result (linalg.eig of a 1x1 matrix) says
+      // nothing about larger ones: the class stays unverified, and this
+      // call's signature keeps the layouts its CPU run gave.
+      if (!agree || decisive) {
+        LayoutCache::setTrust(*layout_class, agree);
+      }
       return;
     }
     computed = std::move(*meta);

@@ -1,5 +1,7 @@
 #include "aten/LayoutCache.h"
 
+#include <algorithm>
+
 #include <cstring>
 #include <unordered_map>
 #include <utility>
@@ -188,6 +190,13 @@ bool TensorLayout::sameAs(const TensorLayout& other) const {
     }
   }
   return true;
+}
+
+bool TensorLayout::showsDimensionOrder() const {
+  if (!defined || sizes.size() < 2) {
+    return true;
+  }
+  return std::count_if(sizes.begin(), sizes.end(), [](int64_t size) { return size > 1; }) >= 2;
 }
 
 std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInfo& info,

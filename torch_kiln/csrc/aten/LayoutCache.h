@@ -51,6 +51,11 @@ struct TensorLayout {
   static TensorLayout of(const at::Tensor& t);
   // Same dtype, sizes, bits, and strides of dimensions longer than 1.
   bool sameAs(const TensorLayout& other) const;
+  // Whether the strides show an order of the dimensions, so that agreeing
+  // with another layout says something about other sizes of the same rank:
+  // false for a tensor of rank 2 or more with fewer than two dimensions
+  // longer than 1 (a (1, 1) result agrees with any dimension order).
+  bool showsDimensionOrder() const;
 };
 
 // What the meta kernel decided for one call.

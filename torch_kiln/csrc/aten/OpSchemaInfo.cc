@@ -148,8 +148,9 @@ bool acceptsHostIndices(const std::string& name) {
 // Ops whose meta kernels are known to disagree with their CPU kernels about
 // output layouts: dtypes of statistics for half inputs (norms), strides of
 // channels-last or transposed results (padding, unpooling, convolution,
-// log_sigmoid's buffer), conjugate bits (linalg solves), shapes of unused
-// statistics (batch norm in eval mode). See Note [Meta layouts and CPU layouts].
+// log_sigmoid's buffer, pixel_shuffle and pixel_unshuffle), conjugate bits
+// (linalg solves), shapes of unused statistics (batch norm in eval mode).
+// See Note [Meta layouts and CPU layouts].
 bool layoutsFromCpuList(const std::string& name) {
   static const std::unordered_set<std::string> names = {
       "aten::native_layer_norm",        "aten::native_batch_norm",
@@ -164,7 +165,8 @@ bool layoutsFromCpuList(const std::string& name) {
       "aten::max_unpool2d",             "aten::max_unpool3d",
       "aten::convolution",              "aten::convolution_backward",
       "aten::linalg_solve_ex",          "aten::_linalg_solve_ex",
-      "aten::linalg_lu_solve",
+      "aten::linalg_lu_solve",          "aten::pixel_shuffle",
+      "aten::pixel_unshuffle",
   };
   return names.count(name) != 0;
 }
