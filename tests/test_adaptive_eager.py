@@ -42,9 +42,10 @@ def adaptive_eager(enabled):
 
 
 @contextlib.contextmanager
-def gated():
-    """Work issued inside waits on the current stream until the block ends."""
-    open_gate = _C._gate_stream(GATE_TIMEOUT_S)
+def gated(timeout_s=GATE_TIMEOUT_S):
+    """Work issued inside waits on the current stream until the block ends
+    (or timeout_s seconds pass)."""
+    open_gate = _C._gate_stream(timeout_s)
     try:
         yield
     finally:
@@ -299,13 +300,15 @@ def test_chain_on_each_device_and_stream(device, where, kernels):
 def test_an_op_cpu_rejects_at_the_call_raises_there_and_loses_no_fused_result():
     """sub.out with a bool scalar: CPU raises at the call. Kiln raises at the
     call too (Note [Dtype errors at the call]), so it never joins the open
-    group and the group's earlier result stays readable."""
+    group and the group's earlier result stays readable. The rejected call
+    runs synchronously, after the queued work, so it waits for the gate:
+    a short gate lets the test go on."""
     a, b = torch.ones(33, device="kiln"), torch.zeros(33, device="kiln")
     with adaptive_eager(False):
         a * 2.0  # first calls check layouts
     torch.kiln.synchronize()
     with adaptive_eager(True):
-        with gated():
+        with gated(timeout_s=1.0):
             c = a * 2.0
             with pytest.raises(RuntimeError, match="with a bool tensor is not supported"):
                 torch.sub(a, True, out=b)
