@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import torch._dynamo
 from torch._inductor.utils import run_and_get_code
 
+from quick_shard import rotate
+
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")  # conftest.py
 
@@ -32,7 +34,7 @@ def pool_backward(x):
     return grad
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("device", ["kiln:0", pytest.param("kiln:1", marks=pytest.mark.slow)])
 def test_scatter_add_calls_atens_scatter_reduce_as_on_cpu(device):
     """index_add / max-pool backward: ATen's parallel scatter_reduce_ kernel,
     not a generated (serial, atomic-add) loop."""
@@ -50,7 +52,7 @@ def test_scatter_add_calls_atens_scatter_reduce_as_on_cpu(device):
     torch.testing.assert_close(out.cpu(), cpu_out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("device", [pytest.param("kiln:0", marks=pytest.mark.slow), "kiln:1"])
 def test_convolutions_get_channels_last_layout_as_on_cpu(device):
     """Layout optimization in training: the forward graph runs its
     convolutions channels-last on kiln as on CPU (oneDNN serves both; the
@@ -148,8 +150,7 @@ def layer_norm_step(x, weight, bias):
     return out, grad
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("features", [128, 2048])
+@pytest.mark.parametrize("features,device", rotate([128, 2048], ["kiln:0", "kiln:1"]))
 def test_layer_norm_variance_is_computed_as_on_cpu(device, features):
     """var_mean in two passes up to 1024 reduced elements and Welford's
     algorithm above, as Inductor chooses on CPU (on other devices it chose
@@ -171,8 +172,8 @@ def arg_reductions(x):
             (x * 2).transpose(0, 1).argmin())
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("layout", ["transposed", "channels_last", "sliced_transposed", "int64"])
+@pytest.mark.parametrize("layout,device", rotate(
+    ["transposed", "channels_last", "sliced_transposed", "int64"], ["kiln:0", "kiln:1"]))
 def test_argmax_without_dim_of_a_permuted_input_is_the_logical_index(device, layout):
     """argmax/argmin over all dimensions of a non-contiguous input return the
     row-major index, as eager and compiled CPU do. Kiln used to get memory

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from conftest import assert_same, run_python
+from quick_shard import rotate
 
 BACKENDS = ("eager", "aot_eager")
 aten = torch.ops.aten
@@ -128,9 +129,8 @@ def run_training(model, compile_kwargs, device, steps, batch_sizes=(4,)):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dynamic,device", rotate(
+    [(backend, dynamic) for backend in BACKENDS for dynamic in (False, True)], ["kiln:0", "kiln:1"]))
 def test_training_steps_match_compiled_cpu(backend, dynamic, device):
     torch.manual_seed(0)
     model = Zoo()

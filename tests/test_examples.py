@@ -79,7 +79,7 @@ def test_examples_reject_bad_flags(script, args, message):
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("threads,steps", [(2, 30), (1, 30),
+@pytest.mark.parametrize("threads,steps", [(2, 20), (1, 10),
                                            pytest.param(2, 100, marks=pytest.mark.slow)])
 def test_char_gpt_first_steps_match_cpu(tmp_path, threads, steps):
     # At both intra-op thread counts: the weight-gradient matmuls and

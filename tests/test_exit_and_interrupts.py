@@ -60,7 +60,12 @@ WAITS = {
 }
 
 
-@pytest.mark.parametrize("wait", list(WAITS))
+# `make test` keeps three kinds of wait; `make test-full` runs them all.
+QUICK_WAITS = ("synchronize", "item", "launch_onto_full_queue")
+
+
+@pytest.mark.parametrize("wait", [wait if wait in QUICK_WAITS else pytest.param(wait, marks=pytest.mark.slow)
+                                  for wait in WAITS])
 def test_sigint_during_a_host_wait_raises_keyboard_interrupt_promptly(wait):
     start = time.monotonic()
     result = run_python(SIGINT_SCRIPT.format(wait=WAITS[wait]),
