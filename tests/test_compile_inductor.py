@@ -658,3 +658,22 @@ def test_inductor_compiles_while_another_thread_runs_eager_kiln_work():
     assert not worker.is_alive()
     assert not errors, errors
     assert_close(out, (x.sin() * y).cumsum(0) + y.exp().mean())
+
+
+@pytest.mark.parametrize("dtype,device", [(torch.uint8, "kiln:0"), (torch.int8, "kiln:1")])
+def test_argmin_and_argmax_of_8_bit_integers_give_eagers_indices(dtype, device, fresh_compile):
+    """Inductor 2.13 vectorizes these with 16 indices for a 64-lane value
+    vector: on the CPU, compiled x.argmin(1) of a (3, 16) uint8 input gives
+    [0, 0, 0] and argmax of negative int8 values garbage indices. Kiln's
+    kernels run them as scalar loops (fixes.py, _fix_8bit_argreductions)."""
+    def reductions(x):
+        return x.argmin(1), x.argmax(1), x.min(1).indices, x.t().argmin(0), x.t().argmax()
+
+    generator = torch.Generator().manual_seed(1)
+    compiled = torch.compile(reductions)
+    for sign in (1, -1):
+        for width in (40,):  # 16 lanes of indices, a tail of 8
+            x = (sign * torch.randint(1, 100, (3, width), generator=generator)).to(dtype)
+            for actual, expected in zip(compiled(x.to(device)), reductions(x)):
+                assert actual.device == torch.device(device)
+                assert torch.equal(actual.cpu(), expected), (sign, width, actual, expected)

@@ -307,6 +307,48 @@ def _fix_logical_index_argreduce() -> None:
     lowering._make_reduction_inner = _make_reduction_inner
 
 
+def _has_8bit_argreduction(loop_bodies) -> bool:
+    """Whether a kernel's loop bodies hold an argmin/argmax over int8 or
+    uint8 values (the reduction node's args: ops, dtype, src_dtype,
+    reduction_type, value)."""
+    import torch
+
+    for body in loop_bodies:
+        for graph in [body.root_block.graph] + [block.graph for block in body.subblocks.values()]:
+            for node in graph.nodes:
+                if (node.target == "reduction" and node.args[3] in ("argmin", "argmax")
+                        and node.args[2] in (torch.int8, torch.uint8)):
+                    return True
+    return False
+
+
+def _fix_8bit_argreductions() -> None:
+    # Silent wrong result in Inductor 2.13's vectorized C++ code, fixed for
+    # kiln: an argmin/argmax over int8 or uint8 values is vectorized with a
+    # 16-element tiling for a value vector of 64 lanes (IndexValueVec<uint8_t,
+    # 1, 2>), so the 48 lanes never loaded take part. Compiled
+    # `x.argmin(1)` of a (3, 16) uint8 input gave [0, 0, 0] where eager gives
+    # [6, 14, 1], and argmax of negative int8 values or of a transposed
+    # input gave garbage indices (-3813640874940839325), on the CPU too
+    # (found by a fresh-user sweep). For a kernel generated for kiln that
+    # holds such a reduction, the tiling selection answers "no tiling": the
+    # kernel runs Inductor's scalar loops, which give eager's indices.
+    # Kernels for the CPU are left as they are.
+    from torch._inductor.codegen import cpp, cpp_utils
+    from torch._inductor.virtualized import V
+
+    original = cpp.TilingSelect.select_tiling
+
+    def select_tiling(self, fn_list, var_sizes_list):
+        device = getattr(V.graph.scheduler, "current_device", None)
+        if (device is not None and device.type == "kiln"
+                and _has_8bit_argreduction(cpp_utils._get_loop_body(fn_list))):
+            return [], [], cpp.KernelOpStats()
+        return original(self, fn_list, var_sizes_list)
+
+    cpp.TilingSelect.select_tiling = select_tiling
+
+
 def _fix_convolution_bias() -> None:
     # Inductor's convolution lowering takes a convolution's bias out of the
     # extern call and adds it in a generated kernel on every device but
@@ -447,6 +489,7 @@ def install() -> None:
     _fix_division_by_constant()
     _fix_two_step_variance()
     _fix_logical_index_argreduce()
+    _fix_8bit_argreductions()
     _fix_convolution_bias()
     _fix_small_bmm()
     _fix_concatenation()
