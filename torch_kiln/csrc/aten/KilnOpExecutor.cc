@@ -108,9 +108,9 @@ namespace at::kiln {
 // one synchronous CPU run. Agreement on a result whose strides show no
 // order of its dimensions (rank 2 or more, at most one dimension longer
 // than 1: linalg.eig of a 1x1 matrix) proves nothing, so it leaves the
-// class unverified: the next call checks again. Training and inference loops meet a handful of
-// layout classes, so this costs a few synchronizations at the start; they
-// show in torch.kiln.get_sync_ops().
+// class unverified: the next call checks again. Training and inference
+// loops meet a handful of layout classes, so this costs a few
+// synchronizations at the start; they show in torch.kiln.get_sync_ops().
 //
 // Structured ops (add, mm, ...) never reach the executor as functional ops:
 // PyTorch's generated wrapper runs their C++ meta function, allocates through
