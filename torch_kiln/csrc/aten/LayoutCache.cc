@@ -1,7 +1,6 @@
 #include "aten/LayoutCache.h"
 
 #include <algorithm>
-
 #include <cstring>
 #include <unordered_map>
 #include <utility>

@@ -481,12 +481,7 @@ at::Tensor gru_cell(const at::Tensor& input, const at::Tensor& hx, const at::Ten
                   /*precomputed=*/false).h;
 }
 
-} // namespace
-
-// The autograd key for training and no_grad; the backend key too, for
-// inference_mode, which skips the autograd keys (without it the dispatcher
-// would run PyTorch's composite there, and the fused cells' bits).
-TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+void registerRecurrentKernels(torch::Library& m) {
   m.impl("lstm.input", TORCH_FN(lstm));
   m.impl("gru.input", TORCH_FN(gru));
   m.impl("rnn_tanh.input", TORCH_FN(rnn_tanh));
@@ -495,13 +490,17 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
   m.impl("gru_cell", TORCH_FN(gru_cell));
 }
 
+} // namespace
+
+// The autograd key for training and no_grad; the backend key too, for
+// inference_mode, which skips the autograd keys (without it the dispatcher
+// would run PyTorch's composite there, and the fused cells' bits).
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  registerRecurrentKernels(m);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("lstm.input", TORCH_FN(lstm));
-  m.impl("gru.input", TORCH_FN(gru));
-  m.impl("rnn_tanh.input", TORCH_FN(rnn_tanh));
-  m.impl("rnn_relu.input", TORCH_FN(rnn_relu));
-  m.impl("lstm_cell", TORCH_FN(lstm_cell));
-  m.impl("gru_cell", TORCH_FN(gru_cell));
+  registerRecurrentKernels(m);
 }
 
 } // namespace at::kiln
