@@ -873,9 +873,6 @@ def test_kiln_devices_keep_their_index_through_compiled_code():
         assert_same_tree(out, f(x))
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 @pytest.mark.parametrize("backend", ["aot_eager", "kiln"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
@@ -901,3 +898,41 @@ def test_compiled_dropout_draws_eagers_mask_in_every_layout(backend, layout, tmp
     torch._dynamo.reset()
     assert_same(eager, expected)
     assert_same(compiled, expected)
+
+
+def _layout(x, layout):
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    return x.transpose(1, 3) if layout == "transposed" else x
+
+
+@pytest.mark.parametrize("backend,layout,p", rotate(
+    ["inductor", "aot_eager", "kiln"], ["contiguous", "channels_last", "transposed"], [0.1, 0.123]))
+def test_compiled_dropout_is_compiled_cpus(backend, layout, p, fresh_compile):
+    """Traced, kiln's dropout takes CPU's native_dropout decomposition
+    (Note [Tracing kiln's eager compositions]). Before, Inductor's default
+    drew the same numbers on both devices but kept `draw < 1 - p` on kiln
+    and `draw > p` on the CPU: complementary masks, and a compiled GPT-2 at
+    its default dropout trained to other losses than on the CPU. p=0.123 is
+    a rate where native_dropout's `x * mask * (1 / (1 - p))` and eager's
+    `x * (mask / (1 - p))` round differently (on both devices)."""
+    x = _layout(torch.randn(4, 3, 6, 6), layout)
+    results = {}
+    for device in ("cpu", "kiln"):
+        torch._dynamo.reset()
+        leaf = x.clone().to(device).requires_grad_()
+        compiled = torch.compile(lambda t: F.dropout(t, p) * 3, backend=backend)
+        torch.manual_seed(5)
+        out = compiled(leaf)
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).to(device))
+        results[device] = out, leaf.grad
+    (cpu_out, cpu_grad), (kiln_out, kiln_grad) = results["cpu"], results["kiln"]
+    assert_same(kiln_out, cpu_out)
+    assert kiln_out.stride() == cpu_out.stride()
+    assert_same(kiln_grad, cpu_grad)
+    dropped = (cpu_out == 0).float().mean().item()
+    assert 0 < dropped < 0.3, dropped
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -186,7 +186,7 @@ def compiled_step(module, x, device, backend, dynamic):
     pytest.param("RNN relu", "inductor", True, "kiln:0", marks=pytest.mark.slow)])
 def test_compiled_layers_are_compiled_cpus_bits(layer, backend, dynamic, device):
     """Traced, kiln's layers take PyTorch's Python decompositions as CPU's
-    do (Note [Tracing kiln's recurrent layers]), and Inductor lowers their
+    do (Note [Tracing kiln's eager compositions]), and Inductor lowers their
     concatenations as on the CPU (Note [Kiln takes Inductor's CPU
     heuristics]); before, an nn.RNN(6, 8)'s compiled gradients were 9.5e-7
     off compiled CPU's. (Compiled CPU LSTMs fail in 2.13, in oneDNN's

@@ -90,11 +90,11 @@ def _register_trace_rules() -> None:
 
 
 def _register_fake_rules() -> None:
-    from torch_kiln.compiler import fake_convolution, normalization, recurrent_layers
+    from torch_kiln.compiler import fake_convolution, normalization, traced_compositions
 
     fake_convolution.register()
     normalization.register_fake_rules()
-    recurrent_layers.register()
+    traced_compositions.register()
 
 
 def _register_decompositions() -> None:

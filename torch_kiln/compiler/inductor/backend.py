@@ -7,9 +7,13 @@ backend registered first and kiln's defaults (``KILN_INDUCTOR_DEFAULTS``):
 
 * ``fallback_random=True``: random ops (dropout, rand, randn, ...) call kiln's
   eager kernels, which draw from the kiln generator exactly as eager code
-  does, so a compiled model gives eager kiln's (and so CPU's) numbers for the
-  same seed. Inductor's own generated random numbers differ from eager
-  ones (as on CUDA); the cost is that random ops are not fused.
+  does, so a compiled model draws eager kiln's (and so CPU's) random
+  numbers for the same seed. (Dropout is traced as on the CPU, as
+  ``native_dropout``: eager's masks, scaled by ``1 / (1 - p)`` rounded once,
+  so at some rates a kept value is an ulp from eager's, as compiled CPU's
+  is; Note [Tracing kiln's eager compositions].) Inductor's own generated
+  random numbers differ from eager ones (as on CUDA); the cost is that
+  random ops are not fused.
 
 Otherwise the default backend (``torch.compile(model)``) gives the same code
 for kiln tensors. ``mode=`` and ``options=`` work as for the default backend

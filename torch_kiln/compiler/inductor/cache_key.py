@@ -12,7 +12,8 @@ the graph unchanged and its uuid hashes kiln's code generator: the sources of
 this package, the compiler package's DeviceInterface and convolution
 strides under FakeTensorMode (fake_convolution.py), the normalization
 rules (normalization.py), the small matmul decompositions
-(small_matmuls.py), the traced recurrent layers (recurrent_layers.py), the
+(small_matmuls.py), the traced recurrent layers and dropout
+(traced_compositions.py), the
 identity of
 the ``torch_kiln._C`` build that launches the kernels, and the intra-op
 thread count the kernels are generated for.
@@ -42,8 +43,8 @@ def codegen_uuid() -> str:
     files.append(str(here.parent / "normalization.py"))
     # Small matmul decompositions (CPU's branch on kiln).
     files.append(str(here.parent / "small_matmuls.py"))
-    # Recurrent layers traced with CPU's Python decompositions.
-    files.append(str(here.parent / "recurrent_layers.py"))
+    # Recurrent layers and dropout traced with CPU's Python decompositions.
+    files.append(str(here.parent / "traced_compositions.py"))
     files = [f for f in files if os.path.exists(f)]
     stat = os.stat(torch_kiln._C.__file__)
     build = f"{torch_kiln._C.__file__}:{stat.st_size}:{stat.st_mtime_ns}".encode()

@@ -11,10 +11,14 @@
 // directly, is likewise composed from kiln ops, drawing from the kiln
 // generator.
 //
-// Both kernels are compositions of kiln operators, so they also trace under
-// torch.compile (FakeTensorMode, symbolic shapes): they read only metadata,
-// and sizes through their SymInt accessors (See Note [Kiln kernels under
-// FakeTensorMode] in aten/FakeKernels.cc).
+// Both kernels are compositions of kiln operators, so they also run on fake
+// tensors (Dynamo's FakeTensorMode, symbolic shapes): they read only
+// metadata, and sizes through their SymInt accessors (See Note [Kiln kernels
+// under FakeTensorMode] in aten/FakeKernels.cc). AOTAutograd's traces do not
+// reach the dropout override: there kiln takes CPU's Python decomposition
+// (native_dropout), so compiled kiln gives compiled CPU's masks (Note
+// [Tracing kiln's eager compositions] in
+// torch_kiln/compiler/traced_compositions.py).
 #include <ATen/ops/bernoulli.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

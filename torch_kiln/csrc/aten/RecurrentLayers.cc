@@ -32,8 +32,8 @@
 // compositions do not take (other devices, malformed lists, which the
 // composite then rejects with its own errors). Traced tensors that reach
 // these kernels (Dynamo's fake-tensor propagation; AOTAutograd and make_fx
-// take PyTorch's Python decompositions instead, Note [Tracing kiln's
-// recurrent layers] in torch_kiln/compiler/recurrent_layers.py) take the
+// take PyTorch's Python decompositions instead, Note [Tracing kiln's eager
+// compositions] in torch_kiln/compiler/traced_compositions.py) take the
 // step-by-step path rather than oneDNN's: mkldnn_rnn_layer's meta kernel
 // gives an empty workspace, which only Inductor's CPU lowering accounts for.
 //
