@@ -843,9 +843,10 @@ class DeviceCache {
     const size_t block_size = roundSize(requested);
     if (status == kilnErrorMemoryAllocation && is_small && block_size < size) {
       // No room for a whole small-pool segment (a device smaller than one,
-      // or nearly full): a segment of just this block.
+      // or nearly full, or a per-process limit close by): a segment of just
+      // this block, still within the limit.
       size = block_size;
-      status = runtimeMalloc(&ptr, size);
+      status = reserve(&ptr, size);
     }
     if (status == kilnErrorMemoryAllocation && key == stream.id()) {
       if (Block* lent = takeFromOomPools(is_small, block_size, stream.id())) {
