@@ -1,6 +1,8 @@
 """Events: record, wait, query, synchronize and elapsed_time, across streams
 and devices."""
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,57 @@ def test_interprocess_events_are_rejected():
     with pytest.raises(RuntimeError, match="interprocess"):
         torch.kiln.Event(interprocess=True)
 
+
+
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+@pytest.mark.parametrize("side", [False, True])
+def test_stream_record_event_takes_a_kiln_event(device, side):
+    """CUDA's timing idiom, `s.record_event(torch.cuda.Event(enable_timing=
+    True))`, raised "expected event to be a torch.Event object" on kiln
+    (torch.Stream's C++ method takes only exact torch.Event objects); the
+    kiln stream's record_event, wait_event and wait_stream are Python, as
+    torch.cuda.Stream's are (found by a fresh user)."""
+    with torch.kiln.device(device):
+        stream = torch.kiln.Stream() if side else torch.kiln.current_stream()
+        start = stream.record_event(torch.kiln.Event(enable_timing=True))
+        assert isinstance(start, torch.kiln.Event)
+        with torch.kiln.stream(stream):
+            torch.kiln._sleep(20)
+        end = stream.record_event(torch.kiln.Event(enable_timing=True))
+        plain_end = torch.Event(device=device, enable_timing=True)
+        assert stream.record_event(plain_end) is plain_end
+        new = stream.record_event()
+        assert type(new) is torch.kiln.Event and new.device == torch.device(device)
+        torch.kiln.current_stream().wait_event(end)
+        torch.kiln.current_stream().wait_stream(stream)
+        end.synchronize()
+        plain_end.synchronize()
+        assert start.elapsed_time(end) >= 19.0
+        assert start.elapsed_time(plain_end) >= 19.0  # a torch.Event as the end event
+
+
+def test_stream_and_event_methods_reject_what_is_not_a_stream_or_event():
+    stream, event = torch.kiln.Stream(), torch.kiln.Event(enable_timing=True)
+    cases = [(lambda: stream.wait_stream(3), "Stream.wait_stream() expected a torch.kiln.Stream or "
+              "torch.Stream, but got int: 3"),
+             (lambda: stream.wait_stream(None), "but got NoneType"),
+             (lambda: stream.wait_event("x"), "Stream.wait_event() expected a torch.kiln.Event or "
+              "torch.Event, but got str"),
+             (lambda: stream.record_event(5), "Stream.record_event() expected a torch.kiln.Event"),
+             (lambda: event.record(5), "Event.record() expected a torch.kiln.Stream or "
+              "torch.Stream (or None), but got int: 5"),
+             (lambda: event.wait(3), "Event.wait() expected a torch.kiln.Stream"),
+             (lambda: event.elapsed_time(3), "Event.elapsed_time() expected a torch.kiln.Event")]
+    for call, message in cases:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call()
+    cpu_event = torch.Event(device="cpu")
+    with pytest.raises(ValueError, match="expected a kiln event, got an event on cpu"):
+        stream.wait_event(cpu_event)
+    untimed = torch.Event(device="kiln")
+    event.record()
+    untimed.record()
+    untimed.synchronize()
+    with pytest.raises(RuntimeError, match=r"^Both events must be created with argument "
+                       r"'enable_timing=True'\.$"):
+        event.elapsed_time(untimed)

@@ -97,6 +97,35 @@ class Stream(torch.Stream):
         import ctypes
         return ctypes.c_void_p(self.kiln_stream)
 
+    # record_event, wait_event and wait_stream are Python, as torch.cuda.Stream's
+    # are: torch.Stream's C++ methods take only exact torch.Event objects, so
+    # `s.record_event(torch.kiln.Event(enable_timing=True))`, CUDA's timing
+    # idiom, raised "expected event to be a torch.Event object".
+
+    def record_event(self, event: torch.Event | None = None) -> torch.Event:
+        """Records ``event`` (default: a new ``torch.kiln.Event``) on this
+        stream and returns it. Raises ``TypeError`` if ``event`` is not an
+        event."""
+        if event is None:
+            event = Event()
+        _check_event(event, "Stream.record_event()")
+        event.record(self)
+        return event
+
+    def wait_event(self, event: torch.Event) -> None:
+        """Makes all work queued on this stream from now on wait for
+        ``event``'s recorded work (a no-op if it was never recorded). Raises
+        ``TypeError`` if ``event`` is not an event."""
+        _check_event(event, "Stream.wait_event()")
+        event.wait(self)
+
+    def wait_stream(self, stream: torch.Stream) -> None:
+        """Makes all work queued on this stream from now on wait for the work
+        queued on ``stream`` so far. Raises ``TypeError`` if ``stream`` is not
+        a stream, ``ValueError`` if it is not a kiln stream."""
+        _check_stream(stream, "Stream.wait_stream()", kiln_only=True, optional=False)
+        super().wait_stream(stream)
+
     def __repr__(self) -> str:
         return f"<torch.kiln.Stream device=kiln:{self.device_index} id={self.stream_id}>"
 
@@ -162,12 +191,33 @@ class Event(torch.Event):
         event._enable_timing = enable_timing
         return event
 
+    def record(self, stream: torch.Stream | None = None) -> None:
+        """Records the event on ``stream`` (default: the current stream).
+        Raises ``TypeError`` if ``stream`` is not a stream, ``ValueError`` if it
+        is not a kiln stream."""
+        if stream is None:
+            stream = current_stream()
+        _check_stream(stream, "Event.record()", kiln_only=True)
+        super().record(stream)
+
+    def wait(self, stream: torch.Stream | None = None) -> None:
+        """Makes work queued on ``stream`` (default: the current stream) from
+        now on wait for this event. Raises as ``record`` does."""
+        if stream is None:
+            stream = current_stream()
+        _check_stream(stream, "Event.wait()", kiln_only=True)
+        super().wait(stream)
+
     def elapsed_time(self, end_event: torch.Event) -> float:
         """Milliseconds between this event's and ``end_event``'s completions,
-        by the device clock. Raises ``RuntimeError`` (as ``torch.cuda.Event``
-        does) unless both events were created with ``enable_timing=True`` on
-        the same device and both have been recorded and completed."""
-        if not (self._enable_timing and getattr(end_event, "_enable_timing", False)):
+        by the device clock. ``end_event`` may be a ``torch.kiln.Event`` or a
+        ``torch.Event`` on a kiln device. Raises ``TypeError`` if it is not an
+        event, ``RuntimeError`` (as ``torch.cuda.Event`` does) unless both
+        events were created with ``enable_timing=True`` on the same device and
+        both have been recorded and completed."""
+        _check_event(end_event, "Event.elapsed_time()")
+        # A plain torch.Event does not say whether it times; the runtime does.
+        if not (self._enable_timing and getattr(end_event, "_enable_timing", True)):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         unrecorded = [name for name, event in (("start", self), ("end", end_event))
                       if event.event_id == 0]
@@ -180,7 +230,13 @@ class Event(torch.Event):
         if self.device != end_event.device:
             raise RuntimeError(f"Both events must be on the same device; got {self.device} and "
                              f"{end_event.device}.")
-        return _C._event_elapsed_time(self.event_id, end_event.event_id)
+        try:
+            return _C._event_elapsed_time(self.event_id, end_event.event_id)
+        except RuntimeError as error:
+            if "DisableTiming" in str(error):
+                raise RuntimeError(
+                    "Both events must be created with argument 'enable_timing=True'.") from None
+            raise
 
 
 # c10::DeviceType::PrivateUse1, as torch.Stream's device_type field holds it.
@@ -209,10 +265,22 @@ def default_stream(device: Any = None) -> Stream:
     return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
 
 
-def _check_stream(stream: Any, function: str) -> None:
-    if stream is not None and not isinstance(stream, torch.Stream):
-        raise TypeError(f"{function} expected a torch.kiln.Stream or torch.Stream (or None), "
-                        f"but got {type(stream).__name__}: {stream!r}")
+def _check_stream(stream: Any, function: str, kiln_only: bool = False,
+                  optional: bool = True) -> None:
+    if not isinstance(stream, torch.Stream) and (stream is not None or not optional):
+        raise TypeError(f"{function} expected a torch.kiln.Stream or torch.Stream"
+                        f"{' (or None)' if optional else ''}, but got "
+                        f"{type(stream).__name__}: {stream!r}")
+    if kiln_only and stream is not None and stream.device.type != "kiln":
+        raise ValueError(f"{function} expected a kiln stream, got a stream on {stream.device}.")
+
+
+def _check_event(event: Any, function: str) -> None:
+    if not isinstance(event, torch.Event):
+        raise TypeError(f"{function} expected a torch.kiln.Event or torch.Event, "
+                        f"but got {type(event).__name__}: {event!r}")
+    if event.device is not None and event.device.type != "kiln":
+        raise ValueError(f"{function} expected a kiln event, got an event on {event.device}.")
 
 
 def set_stream(stream: torch.Stream | None) -> None:
