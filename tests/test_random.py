@@ -56,6 +56,38 @@ def test_generator_reseed_and_state_round_trip():
     assert r.device.type == "kiln" and all(0 <= v < 5 for v in r.tolist())
 
 
+@pytest.mark.parametrize("device", ["kiln:0", "kiln:1"])
+def test_generators_deepcopy_and_pickle(device):
+    """copy.deepcopy and pickle of a kiln generator raised SystemError
+    (PyTorch's reduction asks non-CPU generators for a Philox offset, which
+    kiln's, CPU's Mersenne Twister, does not have); CPU generators keep
+    PyTorch's reduction (found by a fresh user)."""
+    import copy
+    import pickle
+
+    g = torch.Generator(device=device).manual_seed(3)
+    torch.randn(5, device=device, generator=g)  # a position past the seed
+    copies = [copy.deepcopy(g), pickle.loads(pickle.dumps(g))]
+    expected = torch.randn(7, device=device, generator=g).cpu()
+    for c in copies:
+        assert c.device == torch.device(device) and c.initial_seed() == 3
+        assert torch.equal(torch.randn(7, device=device, generator=c).cpu(), expected)
+    cpu = torch.Generator().manual_seed(4)
+    assert torch.equal(copy.deepcopy(cpu).get_state(), cpu.get_state())
+    assert torch.equal(pickle.loads(pickle.dumps(cpu)).get_state(), cpu.get_state())
+
+
+def test_seeding_without_kiln_devices_is_ignored_as_on_cuda():
+    from conftest import run_python
+    code = ("import torch, torch_kiln\n"
+            "torch.kiln.manual_seed(3); torch.kiln.seed(); torch.kiln.manual_seed_all(3)\n"
+            "torch.kiln.seed_all(); torch.manual_seed(5)\n"
+            "print(torch.kiln.device_count(), torch.initial_seed())\n")
+    result = run_python(code, {"KILN_DEVICE_COUNT": "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "5"]
+
+
 def test_two_dropouts_after_the_same_seed_are_equal():
     torch.manual_seed(1)
     a = torch.nn.functional.dropout(torch.ones(1000, device="kiln"), 0.5)

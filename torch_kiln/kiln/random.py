@@ -8,6 +8,7 @@ random ops give the same numbers on kiln as on CPU, and states
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any, Iterable
 
 import torch
@@ -43,7 +44,10 @@ def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the current kiln device's default generator."""
+    """Seed the current kiln device's default generator (silently ignored
+    without kiln devices, as ``torch.cuda.manual_seed`` is without CUDA)."""
+    if _C._get_device_count() == 0:
+        return
     _default_generator().manual_seed(int(seed))
 
 
@@ -54,7 +58,10 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    """Seed the current device's default generator with a random number."""
+    """Seed the current device's default generator with a random number
+    (silently ignored without kiln devices, as ``torch.cuda.seed`` is)."""
+    if _C._get_device_count() == 0:
+        return
     _default_generator().seed()
 
 
@@ -71,3 +78,22 @@ def seed_all() -> None:
 def initial_seed() -> int:
     """The seed of the current device's default generator."""
     return _default_generator().initial_seed()
+
+
+def _reduce_generator(generator: torch.Generator) -> tuple:
+    """How ``pickle`` and ``copy`` take a ``torch.Generator`` apart.
+
+    PyTorch's own ``Generator.__reduce__`` stores ``(initial_seed, offset,
+    state)`` and asks every non-CPU generator for its Philox offset, which a
+    kiln generator (CPU's Mersenne Twister, Note [Kiln random numbers]) does
+    not have: ``copy.deepcopy`` and ``pickle`` of a kiln generator raised
+    ``SystemError``. A kiln generator is stored as a CPU one is, with no
+    offset (its whole position is in ``get_state()``); other devices keep
+    PyTorch's reduction."""
+    if generator.device.type != "kiln":
+        return generator.__reduce__()
+    return (torch.Generator, (generator.device,),
+            (generator.initial_seed(), None, generator.get_state()))
+
+
+copyreg.pickle(torch.Generator, _reduce_generator)
