@@ -163,6 +163,21 @@ def test_a_bad_device_index_gives_one_message_in_every_api():
         assert str(error.value).splitlines()[0] == expected
 
 
+@pytest.mark.parametrize("bad", [-1, -100])
+def test_a_negative_index_is_rejected_by_the_queries_of_one_device(bad):
+    """get_device_capability(-1) answered (1, 0) and get_rng_state(-1) the
+    current device's state, where get_device_properties(-1) raised (and
+    torch.cuda's raise for all of them); found by a fresh user."""
+    for query in (torch.kiln.get_device_properties, torch.kiln.get_device_name,
+                  torch.kiln.get_device_capability):
+        with pytest.raises(RuntimeError, match=f"^Invalid device kiln:{bad}: Kiln has 2 devices"):
+            query(bad)
+    with pytest.raises(ValueError, match=f"get_rng_state: expected a kiln device .* got {bad}"):
+        torch.kiln.get_rng_state(bad)
+    with pytest.raises(ValueError, match=f"set_rng_state: expected a kiln device .* got {bad}"):
+        torch.kiln.set_rng_state(torch.kiln.get_rng_state(), bad)
+
+
 # --- torch.cuda's hardware queries, answered for the reference device ---------
 
 def test_peer_access_between_different_devices_only_as_cuda_answers():

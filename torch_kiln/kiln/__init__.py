@@ -326,8 +326,9 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     ``major``/``minor`` of ``get_device_properties``: below every CUDA level,
     so code gating a CUDA-only feature on ``>= (x, y)`` (TF32, Flash
     attention kernels) takes its portable path. Raises ``RuntimeError`` for
-    an invalid device."""
-    _device_index(device, optional=True)
+    an invalid device (a negative index included), as
+    ``get_device_properties`` does."""
+    get_device_properties(device)
     return _CAPABILITY
 
 

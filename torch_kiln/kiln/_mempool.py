@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 from torch_kiln import _C
 from torch_kiln.kiln._utils import _current_device
-from torch_kiln.kiln.memory import _checked_device, memory_snapshot
+from torch_kiln.kiln._utils import _checked_device
+from torch_kiln.kiln.memory import memory_snapshot
 
 __all__ = ["MemPool", "use_mem_pool"]
 

@@ -80,3 +80,14 @@ def _device_index(device: Any, optional: bool = False) -> int:
                 f"that range, or set KILN_DEVICE_COUNT to change the number of devices{visible}."
             )
     return index
+
+
+def _checked_device(device: Any, what: str) -> int:
+    """``device`` as a kiln device index (``None``: the current device), for
+    functions of one device, where a negative index is a ``ValueError`` naming
+    ``what`` (torch.cuda's raise there too) rather than "no device"."""
+    index = _device_index(device, optional=True)
+    if index < 0:
+        raise ValueError(f"{what}: expected a kiln device (None, an index >= 0, \"kiln:N\" or a "
+                         f"torch.device), got {device!r}.")
+    return index

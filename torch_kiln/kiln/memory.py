@@ -34,7 +34,7 @@ import torch
 from typing_extensions import deprecated
 
 from torch_kiln import _C
-from torch_kiln.kiln._utils import _device_index
+from torch_kiln.kiln._utils import _checked_device, _device_index
 
 _ENABLED = ("state", "all")
 _CONTEXTS = ("state", "alloc", "all")
@@ -184,15 +184,6 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     lines.append(f"{'Out-of-memory errors':<28}| {stats.get('num_ooms', 0)}")
     lines.append("=" * width)
     return "\n".join(lines) + "\n"
-
-
-def _checked_device(device: Any, what: str) -> int:
-    """``device`` as a kiln device index, where a negative index is an error."""
-    index = _device_index(device, optional=True)
-    if index < 0:
-        raise ValueError(f"{what}: expected a kiln device (None, an index >= 0, \"kiln:N\" or a "
-                         f"torch.device), got {device!r}.")
-    return index
 
 
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from torch_kiln import _C
-from torch_kiln.kiln._utils import _device_index
+from torch_kiln.kiln._utils import _checked_device, _device_index
 
 
 def _default_generator(device: Any = None) -> torch.Generator:
@@ -22,8 +22,9 @@ def _default_generator(device: Any = None) -> torch.Generator:
 
 
 def get_rng_state(device: Any = "kiln") -> torch.Tensor:
-    """State of ``device``'s default generator, as a CPU ``torch.uint8`` tensor."""
-    return _default_generator(device).get_state()
+    """State of ``device``'s default generator, as a CPU ``torch.uint8`` tensor.
+    A negative index raises ``ValueError``."""
+    return _default_generator(_checked_device(device, "get_rng_state")).get_state()
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -33,8 +34,9 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "kiln") -> None:
     """Set ``device``'s default generator state from ``get_rng_state()``
-    output (a CPU ``torch.uint8`` tensor)."""
-    _default_generator(device).set_state(new_state)
+    output (a CPU ``torch.uint8`` tensor). A negative index raises
+    ``ValueError``."""
+    _default_generator(_checked_device(device, "set_rng_state")).set_state(new_state)
 
 
 def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
