@@ -79,6 +79,20 @@ def test_device_properties_and_name():
     assert "total_memory=16384MB" in repr(props)
 
 
+def test_device_properties_answer_cudas_other_fields():
+    """Code reading CUDA's fields got AttributeError (found by a fresh user);
+    they describe the host cores the kernels run on."""
+    import uuid
+
+    zero, one = torch.kiln.get_device_properties(0), torch.kiln.get_device_properties(1)
+    assert isinstance(zero.uuid, uuid.UUID) and zero.uuid != one.uuid
+    assert zero.uuid == torch.kiln.get_device_properties("kiln:0").uuid  # fixed per device
+    assert zero.L2_cache_size >= 0 and zero.L2_cache_size % 1024 == 0
+    assert (zero.warp_size, zero.max_threads_per_multi_processor) == (1, 1)
+    assert (zero.is_integrated, zero.is_multi_gpu_board) == (0, 0)
+    assert (one.pci_bus_id, one.pci_device_id, one.pci_domain_id) == (1, 0, 0)
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_device_capability_lists_the_dtypes_kiln_holds_and_converts():
     capability = torch.accelerator.get_device_capability()

@@ -10,7 +10,10 @@ for an index outside ``[0, N)``.
 from __future__ import annotations
 
 import atexit
+import glob
+import os
 import sys
+import uuid
 from typing import Any
 
 import torch
@@ -260,6 +263,23 @@ def synchronize(device: Any = None) -> None:
 _CAPABILITY = (1, 0)  # see get_device_capability
 
 
+def _host_l2_cache_size() -> int:
+    """Bytes of the L2 cache of host CPU 0, from Linux's sysfs; 0 if unknown."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for cache in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(os.path.join(cache, "level")) as level, open(os.path.join(cache, "size")) as size:
+                if level.read().strip() != "2":
+                    continue
+                text = size.read().strip()
+        except OSError:
+            continue
+        if text[-1:] in units and text[:-1].isdigit():
+            return int(text[:-1]) * units[text[-1]]
+        return int(text) if text.isdigit() else 0
+    return 0
+
+
 class _KilnDeviceProperties:
     """Properties of a kiln device (like ``torch.cuda.get_device_properties``):
     ``name`` (str), ``total_memory`` (bytes, ``KILN_DEVICE_MEMORY``),
@@ -272,7 +292,16 @@ class _KilnDeviceProperties:
     and ``tile_dtypes`` (tuple of torch.dtype). ``pci_bus_id`` (int) says
     which of the ``KILN_DEVICE_COUNT`` devices this is, whatever number
     ``KILN_VISIBLE_DEVICES`` gives it (as CUDA's names the board behind a
-    renumbered GPU)."""
+    renumbered GPU).
+
+    CUDA's other fields, for code that reads them, describe the host cores
+    the kernels run on: ``uuid`` (a ``uuid.UUID`` fixed per ``pci_bus_id``,
+    the same in every process), ``L2_cache_size`` (bytes of host CPU 0's L2
+    cache, from Linux's sysfs; 0 if the host does not say), ``warp_size``
+    and ``max_threads_per_multi_processor`` (1: a kernel's work item is one
+    host thread, with no SIMT lanes), ``is_integrated`` and
+    ``is_multi_gpu_board`` (0: a kiln device has its own memory and is one
+    device), ``pci_device_id`` and ``pci_domain_id`` (0)."""
 
     def __init__(self, name: str, total_memory: int, multi_processor_count: int, pci_bus_id: int):
         from torch_kiln.kl import tile_model
@@ -281,6 +310,14 @@ class _KilnDeviceProperties:
         self.total_memory = total_memory
         self.multi_processor_count = multi_processor_count
         self.pci_bus_id = pci_bus_id
+        self.pci_device_id = 0
+        self.pci_domain_id = 0
+        self.uuid = uuid.uuid5(uuid.NAMESPACE_URL, f"kiln://reference-device/{pci_bus_id}")
+        self.L2_cache_size = _host_l2_cache_size()
+        self.warp_size = 1
+        self.max_threads_per_multi_processor = 1
+        self.is_integrated = 0
+        self.is_multi_gpu_board = 0
         self.major, self.minor = _CAPABILITY
         self.tile_max_partition_dim = tile_model.MAX_PARTITION_DIM
         self.tile_partitions = tile_model.PARTITIONS
