@@ -54,17 +54,22 @@ def ops_for(dtype):
     return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
 
 
+def premul_factor(rank):
+    """Each rank's PREMUL_SUM factor: different on every rank, as NCCL allows."""
+    return 0.5 + rank
+
+
 def kccl_op(op):
-    return dist._make_nccl_premul_sum(0.5) if op == "premul" else op
+    return dist._make_nccl_premul_sum(premul_factor(RANK)) if op == "premul" else op
 
 
 def reference(parts, op):
     """The reduction kccl defines (Reductions.h), with torch on the CPU."""
     is_bool = parts[0].dtype == torch.bool
-    if op == "premul":
-        acc = parts[0] * 0.5
-        for p in parts[1:]:
-            acc = acc + p * 0.5
+    if op == "premul":  # each rank's input times its own factor, summed in rank order
+        acc = parts[0] * premul_factor(0)
+        for r, p in enumerate(parts[1:], start=1):
+            acc = acc + p * premul_factor(r)
         return acc
     acc = parts[0].clone()
     for p in parts[1:]:
@@ -140,6 +145,11 @@ def s_collectives(args):
             t = parts[RANK].to(DEVICE)
             dist.reduce(t, dst=root, op=op)
             check_equal(t, reference(parts, op) if RANK == root else parts[RANK], f"reduce root {root} {dtype}")
+            if dtype.is_floating_point:  # the others keep their unscaled input
+                t = parts[RANK].to(DEVICE)
+                dist.reduce(t, dst=root, op=kccl_op("premul"))
+                check_equal(t, reference(parts, "premul") if RANK == root else parts[RANK],
+                            f"reduce PREMUL_SUM root {root} {dtype}")
         # all_gather (list) and all_gather_into_tensor
         outs = [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(WORLD)]
         dist.all_gather(outs, parts[RANK].to(DEVICE))
@@ -150,14 +160,15 @@ def s_collectives(args):
         check_equal(out, torch.cat(parts), f"all_gather_into_tensor {dtype}")
         # reduce_scatter_tensor and reduce_scatter (list)
         big = [make_input(r, (WORLD * 3, 4), dtype, seed=100 + checked) for r in range(WORLD)]
-        rs_ops = [op] + ([R.AVG, R.MIN] if dtype.is_floating_point else [R.BXOR] if dtype != torch.bool else [])
+        rs_ops = [op] + ([R.AVG, R.MIN, "premul"] if dtype.is_floating_point
+                         else [R.BXOR] if dtype != torch.bool else [])
         for rop in rs_ops:
             out = torch.empty(shape, dtype=dtype, device=DEVICE)
-            dist.reduce_scatter_tensor(out, big[RANK].to(DEVICE), op=rop)
+            dist.reduce_scatter_tensor(out, big[RANK].to(DEVICE), op=kccl_op(rop))
             want = reference([b[RANK * 3:(RANK + 1) * 3] for b in big], rop)
             check_equal(out, want, f"reduce_scatter_tensor {rop} {dtype}")
             out = torch.empty(shape, dtype=dtype, device=DEVICE)
-            dist.reduce_scatter(out, list(big[RANK].to(DEVICE).chunk(WORLD)), op=rop)
+            dist.reduce_scatter(out, list(big[RANK].to(DEVICE).chunk(WORLD)), op=kccl_op(rop))
             check_equal(out, want, f"reduce_scatter {rop} {dtype}")
         checked += 1
     dist.barrier()
@@ -285,6 +296,16 @@ def s_errors(args):
     messages["avg_int"] = expect_error(ValueError, ["AVG", "floating-point", "Long"],
                                        lambda: dist.all_reduce(i, op=R.AVG))
     messages["cpu_tensor"] = expect_error(RuntimeError, ["cpu"], lambda: dist.all_reduce(torch.ones(4)))
+    # Reductions ATen's CPU kernels cannot do are refused before anything is
+    # issued (they failed inside the task on one rank and broke the group).
+    for dtype, op in ((torch.float8_e4m3fn, R.SUM), (torch.uint32, R.SUM), (torch.uint16, R.MIN)):
+        messages[f"{op} {dtype}"] = expect_error(
+            ValueError, [str(op).split(".")[-1], "is not supported", "ATen's CPU kernels"],
+            lambda: dist.all_reduce(torch.zeros(4, device=DEVICE).to(dtype), op=op))
+    # (all_reduce refuses complex MIN/MAX in PyTorch's Python; reduce does not.)
+    messages["complex_max_reduce"] = expect_error(
+        ValueError, ["reduce: ReduceOp.MAX of ComplexFloat"],
+        lambda: dist.reduce(torch.zeros(4, dtype=torch.complex64, device=DEVICE), dst=0, op=R.MAX))
     other = torch.device("kiln", 1 - DEVICE.index) if torch.kiln.device_count() > 1 else DEVICE
     if other != DEVICE:
         messages["mixed_devices"] = expect_error(

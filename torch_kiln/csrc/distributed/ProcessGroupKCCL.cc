@@ -512,6 +512,50 @@ CollectiveCall::Body crossHostBody(std::shared_ptr<CrossHost> x,
   };
 }
 
+// Note [kccl PREMUL_SUM]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// PREMUL_SUM multiplies each rank's input by that rank's own factor and sums
+// the products, as NCCL's ncclRedOpCreatePreMulSum ("pre-multiplies input
+// values by a given scalar locally"); ranks may pass different factors. The
+// reducing rank only sees the other ranks' data, so every rank scales its
+// own input before the data moves and the collective itself is a SUM:
+// ((x0 * f0) + (x1 * f1)) + ..., each product rounded to the dtype, in rank
+// order (Reductions.h). Before this, each rank applied its own factor to
+// every rank's input, so ranks with different factors got different results.
+// `reducingOp` is the op the body reduces with; `premultiplying` wraps the
+// body. For reduce, `root` is the rank that gets the result: the others keep
+// their unscaled input.
+c10d::ReduceOp reducingOp(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::PREMUL_SUM ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+}
+
+CollectiveCall::Body premultiplying(const c10d::ReduceOp& op, CollectiveCall::Body body,
+                                    int root = -1) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) {
+    return body;
+  }
+  const double factor = premulFactor(op);
+  return [factor, root, body = std::move(body)](ShmGroup& g, const CollectiveDescription& what,
+                                                Clock::time_point deadline,
+                                                std::vector<at::Tensor>& in,
+                                                std::vector<at::Tensor>& out) {
+    std::vector<at::Tensor> scaled;
+    scaled.reserve(in.size());
+    for (const at::Tensor& t : in) {
+      scaled.push_back(at::mul(t, factor));
+    }
+    if (root < 0 || g.groupRank(g.rank()) == root) {
+      body(g, what, deadline, scaled, out);
+      return;
+    }
+    std::vector<at::Tensor> discarded = {at::empty_like(out[0])};
+    body(g, what, deadline, scaled, discarded);
+    if (in[0].data_ptr() != out[0].data_ptr()) {
+      out[0].copy_(in[0]); // non-roots keep their input
+    }
+  };
+}
+
 at::Tensor slotTensor(ShmGroup& g, int r, size_t byte_offset, int64_t n, const at::Tensor& like) {
   return at::from_blob(g.slot(r) + byte_offset, {n}, like.options());
 }
@@ -637,7 +681,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
   checkReduceOp(opts.reduceOp, t.scalar_type(), kName);
   CollectiveCall call = makeCall(kName, OpType::ALLREDUCE, t.device(), {t}, {t}, t, t.numel(), -1,
                                  static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
-  const c10d::ReduceOp op = opts.reduceOp;
+  const c10d::ReduceOp op = reducingOp(opts.reduceOp); // Note [kccl PREMUL_SUM]
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     const int64_t es = static_cast<int64_t>(in[0].element_size());
@@ -657,6 +701,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::allreduce(std::vector<at::Tensor>& te
   if (cross_) {
     call.body = crossHostBody(cross_, &CrossHost::allReduce, op);
   }
+  call.body = premultiplying(opts.reduceOp, std::move(call.body));
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -696,7 +741,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
   checkRoot(opts.rootRank, size_, kName);
   CollectiveCall call = makeCall(kName, OpType::REDUCE, t.device(), {t}, {t}, t, t.numel(), root,
                                  static_cast<int32_t>(opts.reduceOp.op_), timeoutFor(opts.timeout));
-  const c10d::ReduceOp op = opts.reduceOp;
+  const c10d::ReduceOp op = reducingOp(opts.reduceOp); // Note [kccl PREMUL_SUM]
   call.body = [op, root](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                          std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     const int64_t es = static_cast<int64_t>(in[0].element_size());
@@ -723,6 +768,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce(std::vector<at::Tensor>& tenso
   if (cross_) {
     call.body = crossHostBody(cross_, &CrossHost::reduce, op, root);
   }
+  call.body = premultiplying(opts.reduceOp, std::move(call.body), root);
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -854,7 +900,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter(std::vector<at::Tensor
   CollectiveCall call = makeCall(kName, OpType::REDUCE_SCATTER, commonDevice(all, kName), ins, {t},
                                  t, t.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
                                  timeoutFor(opts.timeout));
-  const c10d::ReduceOp op = opts.reduceOp;
+  const c10d::ReduceOp op = reducingOp(opts.reduceOp); // Note [kccl PREMUL_SUM]
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     reduceScatterBody(op, g, what, deadline, in, out);
@@ -862,6 +908,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::reduce_scatter(std::vector<at::Tensor
   if (cross_) {
     call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
   }
+  call.body = premultiplying(opts.reduceOp, std::move(call.body));
   return enqueue(std::move(call), /*blocking=*/false);
 }
 
@@ -882,7 +929,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
                                  commonDevice({input, output}, kName), {input}, {output}, output,
                                  output.numel(), -1, static_cast<int32_t>(opts.reduceOp.op_),
                                  timeoutFor(opts.timeout));
-  const c10d::ReduceOp op = opts.reduceOp;
+  const c10d::ReduceOp op = reducingOp(opts.reduceOp); // Note [kccl PREMUL_SUM]
   call.body = [op](ShmGroup& g, const CollectiveDescription& what, Clock::time_point deadline,
                    std::vector<at::Tensor>& in, std::vector<at::Tensor>& out) {
     std::vector<at::Tensor> pieces = in[0].chunk(g.size());
@@ -894,6 +941,7 @@ c10::intrusive_ptr<Work> ProcessGroupKCCL::_reduce_scatter_base(at::Tensor& outp
   if (cross_) {
     call.body = crossHostBody(cross_, &CrossHost::reduceScatter, op);
   }
+  call.body = premultiplying(opts.reduceOp, std::move(call.body));
   return enqueue(std::move(call), /*blocking=*/false);
 }
 

@@ -1,5 +1,9 @@
 #include "distributed/Reductions.h"
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -10,13 +14,45 @@ bool isIntegral(c10::ScalarType dtype) {
   return c10::isIntegralType(dtype, /*includeBool=*/true);
 }
 
+// Whether ATen's CPU kernels can reduce `dtype` with `op` (not every dtype
+// has an add or a maximum kernel: float8 and uint16/32/64 have neither,
+// complex has no maximum). Found by running the reduction on one element of
+// two parts, once per (op, dtype), on the issuing thread: a combination
+// without a kernel then fails there, before the collective is queued, instead
+// of inside the task on one rank, which broke the group while the other
+// ranks waited for their timeout.
+bool cpuCanReduce(const c10d::ReduceOp& op, c10::ScalarType dtype) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, bool> known;
+  const std::pair<int, int> key{static_cast<int>(op.op_), static_cast<int>(dtype)};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(key); it != known.end()) {
+    return it->second;
+  }
+  bool ok = true;
+  try {
+    const at::Tensor one = at::zeros({1}, at::TensorOptions().dtype(dtype));
+    at::Tensor out = at::empty_like(one);
+    if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+      at::mul_out(out, one, premulFactor(op));
+    }
+    const c10d::ReduceOp reducing =
+        op.op_ == c10d::ReduceOp::PREMUL_SUM ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+    reduceInto(out, {one, one.clone()}, reducing, 2);
+  } catch (const c10::Error&) {
+    ok = false;
+  }
+  known.emplace(key, ok);
+  return ok;
+}
+
+} // namespace
+
 double premulFactor(const c10d::ReduceOp& op) {
   auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(supplement != nullptr, "kccl: PREMUL_SUM without a factor");
   return supplement->double_factor;
 }
-
-} // namespace
 
 const char* reduceOpName(const c10d::ReduceOp& op) {
   switch (op.op_) {
@@ -33,7 +69,9 @@ const char* reduceOpName(const c10d::ReduceOp& op) {
   }
 }
 
-void checkReduceOp(const c10d::ReduceOp& op, c10::ScalarType dtype, const char* collective) {
+namespace {
+
+void checkReduceOpAndDtype(const c10d::ReduceOp& op, c10::ScalarType dtype, const char* collective) {
   const bool integral = isIntegral(dtype);
   switch (op.op_) {
     case c10d::ReduceOp::SUM:
@@ -69,18 +107,20 @@ void checkReduceOp(const c10d::ReduceOp& op, c10::ScalarType dtype, const char* 
   }
 }
 
+} // namespace
+
+void checkReduceOp(const c10d::ReduceOp& op, c10::ScalarType dtype, const char* collective) {
+  checkReduceOpAndDtype(op, dtype, collective);
+  TORCH_CHECK_VALUE(cpuCanReduce(op, dtype), collective, ": ReduceOp.", reduceOpName(op),
+                    " of ", dtype, " tensors is not supported: kccl reduces with ATen's CPU "
+                    "kernels, which have none for it (collectives that only move data, such as "
+                    "broadcast and all_gather, take any dtype)");
+}
+
 void reduceInto(at::Tensor& out, const std::vector<at::Tensor>& parts, const c10d::ReduceOp& op,
                 int world_size) {
   TORCH_INTERNAL_ASSERT(!parts.empty());
   const bool is_bool = out.scalar_type() == at::kBool;
-  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    const double factor = premulFactor(op);
-    at::mul_out(out, parts[0], factor);
-    for (size_t k = 1; k < parts.size(); ++k) {
-      out.add_(at::mul(parts[k], factor));
-    }
-    return;
-  }
   if (parts.size() == 1) {
     out.copy_(parts[0]);
   }
