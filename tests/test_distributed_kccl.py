@@ -107,6 +107,29 @@ def test_rank_that_never_arrives_times_out(pool2):
     assert 2.5 < out[0]["seconds"] < 30, out[0]
 
 
+def test_rank_that_never_creates_the_group_times_out_at_the_groups_timeout(tmp_path):
+    """kccl's host-identity exchange read the Store with a plain get, which
+    waits for the Store's own timeout (5 minutes for a FileStore) whatever
+    the group's: a rank whose peer never called init_process_group waited
+    that long (found by a fresh user; Gloo fails at the group's timeout)."""
+    from conftest import run_python
+
+    code = f"""
+import datetime, time, torch, torch_kiln, torch.distributed as dist
+start = time.monotonic()
+try:
+    dist.init_process_group("kccl", store=dist.FileStore({str(tmp_path / "store")!r}, 2), rank=0,
+                            world_size=2, timeout=datetime.timedelta(seconds=2))
+except dist.DistBackendError as error:
+    print(round(time.monotonic() - start), error)
+"""
+    result = run_python(code, {"KILN_DEVICE_COUNT": "2"}, timeout=90)
+    assert result.returncode == 0, result.stderr
+    seconds, message = result.stdout.split(" ", 1)
+    assert 1 <= int(seconds) < 30, result.stdout
+    assert "ranks [1] did not join within 2000 ms (the process group's timeout)" in message
+
+
 def test_rank_arriving_after_a_peer_timed_out_fails_too(pool2):
     messages = pool2.run("late_rank", seconds=2)
     assert "did not arrive" in messages[0], messages

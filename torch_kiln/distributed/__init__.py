@@ -70,7 +70,7 @@ def _create_backend(dist_backend_opts, backend_options):
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
     group_name = str(dist_backend_opts.group_id)
-    hosts = _hosts_of_ranks(store, rank, size, group_name)
+    hosts = _hosts_of_ranks(store, rank, size, group_name, timeout_ms)
     _layouts[group_name] = hosts
     gloo_leaders = gloo_all = None
     if len(hosts) > 1:
@@ -244,17 +244,34 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _hosts_of_ranks(store, rank: int, size: int, group_name: str) -> list[list[int]]:
+def _hosts_of_ranks(store, rank: int, size: int, group_name: str,
+                    timeout_ms: int) -> list[list[int]]:
     """The group ranks of each host, hosts in the order of their lowest rank
     (collective: every rank publishes its host identity in the group's Store
-    and reads everyone's)."""
+    and reads everyone's). Raises ``torch.distributed.DistBackendError``
+    naming the missing ranks if they have not published theirs within the
+    group's timeout (a ``store.get`` alone would wait for the Store's own
+    timeout, 5 minutes for a FileStore, whatever the group's)."""
+    import torch.distributed as dist
+
     if size == 1:
         return [[0]]
     generation = _generations.get(group_name, 0)
     _generations[group_name] = generation + 1
     prefix = f"kccl-hosts/{generation}/"
     store.set(prefix + str(rank), host_id())
-    ids = [store.get(prefix + str(r)).decode() for r in range(size)]
+    keys = [prefix + str(r) for r in range(size)]
+    try:
+        store.wait(keys, datetime.timedelta(milliseconds=timeout_ms))
+    except RuntimeError as error:  # TCPStore: DistStoreError; FileStore: "Wait timeout"
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            raise
+        raise dist.DistBackendError(
+            f"kccl: creating process group {group_name!r} on rank {rank}: ranks {missing} did not "
+            f"join within {timeout_ms} ms (the process group's timeout); every rank of the "
+            f"group must create it") from error
+    ids = [store.get(key).decode() for key in keys]
     hosts: dict[str, list[int]] = {}
     for r, ident in enumerate(ids):
         hosts.setdefault(ident, []).append(r)
