@@ -302,6 +302,12 @@ def s_errors(args):
         messages[f"{op} {dtype}"] = expect_error(
             ValueError, [str(op).split(".")[-1], "is not supported", "ATen's CPU kernels"],
             lambda: dist.all_reduce(torch.zeros(4, device=DEVICE).to(dtype), op=op))
+    # An output with elements that share memory (stride 0) is refused, as by NCCL.
+    expanded = torch.ones(1, device=DEVICE).expand(4)
+    messages["expanded"] = expect_error(ValueError, ["all_reduce", "strides [0]", "share memory"],
+                                        lambda: dist.all_reduce(expanded))
+    messages["expanded_broadcast"] = expect_error(ValueError, ["broadcast", "share memory"],
+                                                  lambda: dist.broadcast(expanded, src=0))
     # (all_reduce refuses complex MIN/MAX in PyTorch's Python; reduce does not.)
     messages["complex_max_reduce"] = expect_error(
         ValueError, ["reduce: ReduceOp.MAX of ComplexFloat"],

@@ -11,6 +11,7 @@
 #include <pthread.h>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -485,6 +486,14 @@ CollectiveCall makeCall(const char* name, c10d::OpType type, c10::Device device,
                         std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                         const at::Tensor& described, int64_t numel, int root, int32_t reduce_op,
                         std::chrono::milliseconds timeout) {
+  // Checked before anything is issued, as NCCL does (a stride-0 output
+  // failed only when the result was read back).
+  for (const at::Tensor& out : outputs) {
+    TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes, "kccl: ", name,
+                      ": the tensor it writes, ", describeTensor(out), " with strides ",
+                      out.strides(), ", has elements that share memory (an expanded view); "
+                      "pass a tensor without overlap, such as its .clone()");
+  }
   CollectiveCall call;
   call.name = name;
   call.type = type;
