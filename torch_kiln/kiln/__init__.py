@@ -10,6 +10,7 @@ for an index outside ``[0, N)``.
 from __future__ import annotations
 
 import atexit
+import functools
 import glob
 import os
 import sys
@@ -263,8 +264,10 @@ def synchronize(device: Any = None) -> None:
 _CAPABILITY = (1, 0)  # see get_device_capability
 
 
+@functools.cache
 def _host_l2_cache_size() -> int:
-    """Bytes of the L2 cache of host CPU 0, from Linux's sysfs; 0 if unknown."""
+    """Bytes of the L2 cache of host CPU 0, from Linux's sysfs; 0 if unknown
+    (read once: a few hundred microseconds)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for cache in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
         try:
@@ -365,7 +368,7 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     attention kernels) takes its portable path. Raises ``RuntimeError`` for
     an invalid device (a negative index included), as
     ``get_device_properties`` does."""
-    get_device_properties(device)
+    _C._get_device_properties(_device_index(device, optional=True))  # checks the index
     return _CAPABILITY
 
 
