@@ -173,7 +173,15 @@ def test_strided_nested_tensors_on_kiln_move_back_and_refuse_ops_clearly(device)
     assert as_double.device == torch.device(device) and as_double.dtype == torch.float64
     assert [t.tolist() for t in as_double.cpu().unbind()] == [p.tolist() for p in parts]
     for op, name in ((lambda: nt * 2, "aten::mul.Tensor"), (lambda: str(nt), "aten::unbind.int"),
-                     (lambda: nt.sum(), "aten::sum")):
+                     (lambda: nt.sum(), "aten::sum"),
+                     # composite on kiln (nested kernels on CPU and CUDA only): they read
+                     # sizes() and raised "NestedTensorImpl doesn't support sizes"
+                     (lambda: torch.nn.functional.linear(nt, torch.ones(2, 3, device=device)),
+                      "aten::linear"),
+                     (lambda: torch.matmul(nt, torch.ones(3, 2, device=device)), "aten::matmul"),
+                     (lambda: torch.matmul(nt, torch.ones(3, 2, device=device),
+                                           out=torch.empty(0, device=device)),
+                      "aten::matmul.out")):
         with pytest.raises(NotImplementedError) as info:
             op()
         message = str(info.value)

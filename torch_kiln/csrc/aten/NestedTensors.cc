@@ -14,9 +14,12 @@
 //     layout, or keeping the strided tensor on the CPU) for every other op
 //     that reaches the NestedTensorPrivateUse1 key, instead of the
 //     dispatcher's "Could not run ... with arguments from the
-//     'NestedTensorkiln' backend".
-// Composite operators that read sizes() before dispatching (F.linear) still
-// fail inside PyTorch with its own message.
+//     'NestedTensorkiln' backend". That includes linear and matmul: PyTorch
+//     gives them nested kernels on NestedTensorCPU/CUDA only, so on kiln they
+//     would reach their CompositeImplicitAutograd forms, which read sizes()
+//     and fail with "Internal error: NestedTensorImpl doesn't support sizes".
+//     (PyTorch's other such operators, chunk, narrow and two backward
+//     formulas, reach an op that takes the fallback.)
 //
 // Note [nn.TransformerEncoder's nested fast path on kiln]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -101,6 +104,10 @@ TORCH_LIBRARY_IMPL(aten, NestedTensorPrivateUse1, m) {
   m.impl("_transformer_encoder_layer_fwd",
          torch::CppFunction::makeFromBoxedFunction<&runOnCpuAndMoveBack>());
   m.impl("to_padded_tensor", torch::CppFunction::makeFromBoxedFunction<&runOnCpuAndMoveBack>());
+  // Composite on kiln but given nested kernels on CPU and CUDA: see the top.
+  for (const char* name : {"linear", "matmul", "matmul.out"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&nestedFallback>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
