@@ -130,6 +130,39 @@ except dist.DistBackendError as error:
     assert "ranks [1] did not join within 2000 ms (the process group's timeout)" in message
 
 
+def test_different_slot_sizes_fail_clearly_on_every_rank(tmp_path):
+    """Ranks with different KCCL_SHM_SLOT_BYTES: each raises an error naming
+    both sizes and the variable. Before, the rank that found the mismatch
+    unlinked its segment and its peer failed with "shm_open ... No such file
+    or directory"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import run_python
+
+    code = """
+import datetime, torch, torch_kiln, torch.distributed as dist
+try:
+    dist.init_process_group("kccl", store=dist.FileStore({store!r}, 2), rank={rank}, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+except dist.DistBackendError as error:
+    print(error)
+"""
+    slots = ("65536", "131072")
+
+    def rank(r):
+        return run_python(code.format(store=str(tmp_path / "store"), rank=r),
+                          {"KILN_DEVICE_COUNT": "2", "KCCL_SHM_SLOT_BYTES": slots[r]}, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank, (0, 1)))
+    for r, result in enumerate(results):
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (f"kccl: rank {1 - r} uses shared-memory slots of {slots[1 - r]} bytes and rank {r} "
+                f"of {slots[r]} bytes: set KCCL_SHM_SLOT_BYTES to the same value on every rank"
+                in result.stdout), result.stdout
+    assert not leftover_kccl_segments()
+
+
 def test_rank_arriving_after_a_peer_timed_out_fails_too(pool2):
     messages = pool2.run("late_rank", seconds=2)
     assert "did not arrive" in messages[0], messages

@@ -128,11 +128,21 @@ ShmGroup::ShmGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   const auto store_timeout = store->getTimeout();
   store->setTimeout(timeout);
   try {
+    // The slot size goes first, under its own key, so that every rank can
+    // compare it before opening a peer's segment: a rank that found a
+    // mismatch unlinks its own segment at once, and its peers would
+    // otherwise fail to open it with a bare "No such file or directory".
+    store->set(tag + "/slot/" + std::to_string(rank), std::to_string(slot_bytes));
     store->set(tag + "/seg/" + std::to_string(rank), segments_[rank].name());
     for (int r = 0; r < size; ++r) {
       if (r == rank) {
         continue;
       }
+      const std::string peer_slot = toString(store->get(tag + "/slot/" + std::to_string(r)));
+      TORCH_CHECK_WITH(DistBackendError, peer_slot == std::to_string(slot_bytes),
+                       "kccl: rank ", r, " uses shared-memory slots of ", peer_slot,
+                       " bytes and rank ", rank, " of ", slot_bytes,
+                       " bytes: set KCCL_SHM_SLOT_BYTES to the same value on every rank");
       const std::string name = toString(store->get(tag + "/seg/" + std::to_string(r)));
       segments_[r] = ShmSegment::open(name);
       const Header* peer = header(r);
