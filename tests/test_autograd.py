@@ -69,7 +69,7 @@ def test_no_grad_and_inference_mode():
 # range), and modules built on them, under torch.inference_mode(): the host
 # tensors kiln makes there are inference tensors, which the kernel on the
 # stream worker may fill only in inference mode (Note [Kiln tasks run in the
-# issuer's inference mode]). Each case runs first inside the mode (no layout
+# issuer's inference and grad mode]). Each case runs first inside the mode (no layout
 # cached yet), then again; on kiln:0 and kiln:1, default and side stream.
 INFERENCE_CASES = {
     "arange float": lambda d: torch.arange(4.0, device=d),

@@ -145,6 +145,62 @@ def test_inference_mode_on_a_side_stream_with_a_noncontiguous_input(layer):
         assert_same(s, e)
 
 
+def no_grad_then_grad_mode(module, x, device, side_stream, grad_first):
+    """Outputs and final states of `module` on `x` under torch.no_grad() and
+    in grad mode (in that order, or the other), on the CPU host tensors."""
+    results = {}
+    stream = torch.kiln.Stream(device) if side_stream else None
+    for grad in ((True, False) if grad_first else (False, True)):
+        with torch.set_grad_enabled(grad), torch.kiln.stream(stream):
+            out, state = module(x.to(device))
+            results[grad] = [t.detach().cpu() for t in (out, *state)]  # on that stream
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device,side_stream,grad_first", [
+    ("kiln:0", False, False), ("kiln:0", True, True), ("kiln:1", False, True),
+    ("kiln:1", True, False)])
+def test_lstm_under_no_grad_is_cpus_no_grad(device, side_stream, grad_first, dtype):
+    """CPU's oneDNN LSTM layer (aten::mkldnn_rnn_layer) runs another
+    primitive without grad mode, which rounds differently from the training
+    one. Kiln ran it in the stream worker's grad mode (on): a 2-layer LSTM
+    under no_grad gave CPU's grad-mode bits (3e-8 off), and a layout learned
+    in one mode broke the other (Note [Kiln tasks run in the issuer's
+    inference and grad mode])."""
+    torch.manual_seed(0)
+    module = nn.LSTM(5, 6, num_layers=2).to(dtype)
+    x = torch.randn(4, 7, 5, dtype=dtype)
+    got = no_grad_then_grad_mode(copy.deepcopy(module).to(device), x, device, side_stream,
+                                 grad_first)
+    expected = no_grad_then_grad_mode(module, x, "cpu", False, grad_first)
+    for grad in (False, True):
+        for g, e in zip(got[grad], expected[grad]):
+            assert_same(g, e)
+
+
+def test_lstm_in_both_grad_modes_under_launch_blocking():
+    """With KILN_LAUNCH_BLOCKING=1 every op's outputs are checked against the
+    layouts its meta kernel (or, learned once, its CPU kernel) declared; the
+    LSTM layer's workspace exists only in grad mode, so a layout learned in
+    one mode made the other fail ("the kernel returned a tensor where its
+    meta kernel declared none")."""
+    from conftest import run_python
+
+    code = """
+import torch, torch_kiln, torch.nn as nn
+torch.manual_seed(0)
+m = nn.LSTM(5, 6, num_layers=2); x = torch.randn(4, 7, 5)
+k = nn.LSTM(5, 6, num_layers=2).to("kiln"); k.load_state_dict(m.state_dict())
+for grad in (False, True, False):
+    with torch.set_grad_enabled(grad):
+        print(torch.equal(k(x.to("kiln"))[0].cpu(), m(x)[0]))
+"""
+    result = run_python(code, {"KILN_LAUNCH_BLOCKING": "1"}, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "True"], result.stdout
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_packed_sequences_take_the_fused_cells(cls):
     """Packed sequences keep PyTorch's composite: CPU's results to rounding."""

@@ -6,6 +6,7 @@
 #include <string_view>
 #include <utility>
 
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include "aten/KilnTask.h"
@@ -447,6 +448,7 @@ kilnError_t KernelLaunch::runTask(void* self) {
     }
     prepareWorkerThread(record->threads_);
     c10::kiln::DeviceWarningCollector warnings;
+    const c10::AutoGradMode grad_mode(record->grad_mode_);
     record->run();
     if (c10::kiln::anyFailedResults()) {
       // What this kernel wrote whole now holds valid results, whatever was
@@ -496,6 +498,7 @@ void KernelLaunch::launch(const c10::kiln::KilnStream& stream) {
     propagateFailedResults();
   }
   threads_ = issuingThreadCount();
+  grad_mode_ = c10::GradMode::is_enabled();
   captured_ = C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   // On failure the runtime has already called releaseTask. With
   // KILN_LAUNCH_BLOCKING=1 a failed kernel fails its launch: raised here with

@@ -131,6 +131,7 @@ class KernelLaunch {
   bool ran_ = false;
   bool captured_ = false; // recorded into a kiln graph (Note [Kiln graphs])
   int threads_ = 1; // Note [Intra-op threads of kiln kernels]
+  bool grad_mode_ = true; // Note [Kiln tasks run in the issuer's inference and grad mode]
 };
 
 } // namespace at::kiln

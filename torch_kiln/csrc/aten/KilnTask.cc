@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
@@ -20,7 +21,8 @@ namespace {
 struct TaskRecord {
   std::unique_ptr<TaskBody> body;
   int threads; // Note [Intra-op threads of kiln kernels]
-  bool inference_mode; // Note [Kiln tasks run in the issuer's inference mode]
+  bool inference_mode; // Note [Kiln tasks run in the issuer's inference and grad mode]
+  bool grad_mode; // the same Note
   bool ran = false;
   bool captured = false; // recorded into a kiln graph: released unrun is no skip
 };
@@ -35,6 +37,7 @@ kilnError_t runTask(void* user_data) {
     if (record->inference_mode) {
       inference_mode.emplace();
     }
+    const c10::AutoGradMode grad_mode(record->grad_mode);
     record->body->run();
     return kilnSuccess;
   } catch (const std::exception& e) {
@@ -101,7 +104,8 @@ void prepareWorkerThread(int threads) {
 void launchTaskBody(const c10::kiln::KilnStream& stream, const char* name,
                     std::unique_ptr<TaskBody> body) {
   auto* record =
-      new TaskRecord{std::move(body), issuingThreadCount(), c10::InferenceMode::is_enabled()};
+      new TaskRecord{std::move(body), issuingThreadCount(), c10::InferenceMode::is_enabled(),
+                     c10::GradMode::is_enabled()};
   record->captured =
       C10_UNLIKELY(c10::kiln::anyCaptureUnderway()) && c10::kiln::isStreamCapturing(stream);
   KILN_CHECK(kilnLaunchTask(stream.stream(), &runTask, &releaseTask, record, name));

@@ -57,14 +57,22 @@ struct TaskBody {
 // refreshed from PyTorch's process-wide setting (at::init_num_threads, about
 // 10 ns) at every launch.
 
-// Note [Kiln tasks run in the issuer's inference mode]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [Kiln tasks run in the issuer's inference and grad mode]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Host tensors a kiln op makes for its CPU kernel under
 // torch.inference_mode() are inference tensors, which ATen lets a kernel
 // update in place only inside inference mode (arange, eye and other
 // factories resize and fill their out= tensor). The mode is thread-local,
 // so every task records whether its issuing thread was in inference mode
 // and runs inside InferenceMode if it was, as the CPU kernel would have.
+// Grad mode (torch.no_grad) likewise, for these tasks and for eager ops'
+// kernel launches (KernelLaunch.cc): some CPU kernels choose their
+// algorithm by it, and the stream worker's own grad mode is always on.
+// oneDNN's LSTM layer (aten::mkldnn_rnn_layer) runs its inference primitive
+// without grad mode and its training one with it, which round differently:
+// a 2-layer nn.LSTM under no_grad gave CPU's grad-mode bits on kiln (3e-8
+// off CPU's no_grad result), and its workspace result exists only in grad
+// mode, so the layout cache keys on grad mode too (Note [Layout cache]).
 
 // The intra-op thread count a task launched now should run with: the
 // calling thread's at::get_num_threads(), refreshed from the process-wide

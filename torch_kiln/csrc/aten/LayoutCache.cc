@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include <c10/core/GradMode.h>
 #include <c10/util/hash.h>
 
 namespace at::kiln {
@@ -204,6 +205,7 @@ std::optional<LayoutCache::Signature> LayoutCache::signatureOf(const OpSchemaInf
   Signature sig;
   sig.push_back(reinterpret_cast<int64_t>(info.schema));
   sig.push_back(info.layout_generation.load(std::memory_order_relaxed));
+  sig.push_back(c10::GradMode::is_enabled()); // Note [Layout cache]: grad mode
   c10::SmallVector<const c10::StorageImpl*, 8> storages;
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_kinds[i] == ArgKind::Generator) {
@@ -327,6 +329,7 @@ std::optional<LayoutCache::Signature> LayoutCache::layoutClassOf(const OpSchemaI
                                                                 size_t first) {
   Signature sig;
   sig.push_back(reinterpret_cast<int64_t>(info.schema));
+  sig.push_back(c10::GradMode::is_enabled()); // Note [Layout cache]: grad mode
   for (size_t i = 0; i < info.arg_kinds.size(); ++i) {
     if (info.arg_kinds[i] != ArgKind::Generator) {
       appendClass(sig, stack[first + i]);

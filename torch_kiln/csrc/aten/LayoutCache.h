@@ -8,8 +8,11 @@
 // are written in Python (torch/_meta_registrations.py overrides the C++ ones
 // for most out= variants) and cost tens of microseconds, far more than the
 // work of a small op. A meta kernel is a pure function of the arguments'
-// metadata, so its outcome is cached under a *signature*: the operator, and
-// for every argument its kind and
+// metadata and of grad mode, so its outcome is cached under a *signature*:
+// the operator, whether grad mode is on (oneDNN's LSTM layer,
+// aten::mkldnn_rnn_layer, returns a workspace only with grad mode on; Note
+// [Kiln tasks run in the issuer's inference and grad mode]), and for every
+// argument its kind and
 //   - tensors: defined, device, dtype, sizes, strides, storage offset,
 //     conj/neg bits, wrapped-number flag, and which other argument (if any)
 //     shares its storage (aliasing decides overlap errors);
@@ -87,7 +90,7 @@ class LayoutCache {
   // layouts, per *layout class*: the operator, and per argument the dtype,
   // rank, memory-format class, dimension order (non-contiguous tensors) and
   // bits of tensors and the value of bools, strings and dtypes (not sizes or
-  // other numbers).
+  // other numbers), and grad mode.
   enum class MetaTrust : uint8_t { Unknown, Trusted, Untrusted };
   static std::optional<Signature> layoutClassOf(const OpSchemaInfo& info,
                                                 const torch::jit::Stack& stack, size_t first);
