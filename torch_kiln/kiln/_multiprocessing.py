@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import threading
+from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
+from multiprocessing.util import Finalize
 
 import torch
 from torch.multiprocessing import reductions as _torch_reductions
@@ -52,14 +54,31 @@ def ipc_collect() -> int:
         return len(keep)
 
 
+def _dup_fd(fd: int):
+    """A DupFd of ``fd`` for a message; the caller closes ``fd`` after this.
+
+    Pickled for a Queue or Pipe, DupFd duplicates ``fd`` at once. Pickled as
+    a ``Process`` argument while a ``spawn`` or ``forkserver`` child is being
+    started, DupFd only records the number for the child to inherit at its
+    launch, after this returns: then a copy is kept open until that Popen
+    object is finalized (before, the closed descriptor failed the start with
+    "bad value(s) in fds_to_keep", or the child with "fd ... holds 0 bytes")."""
+    popen = get_spawning_popen()
+    if popen is None:
+        return DupFd(fd)
+    kept = os.dup(fd)
+    Finalize(popen, os.close, args=(kept,))
+    return DupFd(kept)
+
+
 def _share_storage(storage: torch.UntypedStorage) -> tuple:
     ipc_collect()
     fd, allocation_size, offset, nbytes, device = _C._share_storage(storage)
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)
     try:
-        memory = DupFd(fd) if fd >= 0 else None
-        alive = DupFd(write_end)  # duplicated now; the copy travels with the message
+        memory = _dup_fd(fd) if fd >= 0 else None
+        alive = _dup_fd(write_end)  # the copy travels with the message
     finally:
         if fd >= 0:
             os.close(fd)
