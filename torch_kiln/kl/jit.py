@@ -543,15 +543,33 @@ class JITFunction:
         from torch_kiln.kl import simulator
 
         cpu_values, copies = dict(values), []
-        for p in self.params:
-            v = values[p.name]
-            if p.kind == "tensor" and p.written:
+        tensors = [(p, values[p.name]) for p in self.params if p.kind == "tensor"]
+        # Arguments over one device storage (a tensor passed twice, or
+        # overlapping views) become views of one host copy of that storage,
+        # so a store through one is seen by loads through the other, as in
+        # compiled code; each other argument is copied alone.
+        uses: dict[int, int] = {}
+        for _, v in tensors:
+            if v.device.type != "cpu":
+                key = v.untyped_storage().data_ptr()
+                uses[key] = uses.get(key, 0) + 1
+        shared: dict[int, torch.UntypedStorage] = {}
+        for p, v in tensors:
+            if p.written:
                 # the compiled path's checks, in its words
                 check_written(f"kiln kernel kl::{self.name}: argument '{p.name}'", v)
-            if p.kind == "tensor" and v.device.type != "cpu":
+            if v.device.type == "cpu":
+                continue
+            key = v.untyped_storage().data_ptr()
+            if uses[key] > 1:
+                if key not in shared:
+                    shared[key] = v.untyped_storage().cpu()
+                cpu_values[p.name] = torch.empty(0, dtype=v.dtype).set_(
+                    shared[key], v.storage_offset(), v.shape, v.stride())
+            else:
                 cpu_values[p.name] = v.cpu()
-                if p.written:
-                    copies.append((v, cpu_values[p.name]))
+            if p.written:
+                copies.append((v, cpu_values[p.name]))
         simulator.simulate(self.fn, entry["trace"], cpu_values, grid)
         for target, source in copies:
             target.copy_(source)

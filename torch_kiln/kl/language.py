@@ -228,6 +228,16 @@ def invert(x) -> Tile:
     return _make("invert", [x], x.shape, x.dtype)
 
 
+def negative(x) -> Tile:
+    """``-x`` (Tile.__neg__): a float tile's sign flipped, as torch.neg
+    (-0.0 for 0.0, NaN's sign too); ``0 - x`` for integer tiles (wrapping)
+    and numbers."""
+    x = _operand(x)
+    if isinstance(x, Tile) and x.dtype.is_floating_point:
+        return _make("neg", [x], x.shape, x.dtype)
+    return binary("sub", 0, x)
+
+
 def maximum(a, b) -> Tile:
     """Elementwise maximum (NaN propagates, as torch.maximum)."""
     return binary("maximum", a, b)
@@ -427,10 +437,18 @@ def full(shape, value, dtype=torch.float32) -> Tile:
         return v if shape == () else broadcast_to(v, shape)
     if not isinstance(value, (bool, int, float)):
         raise error(f"kl.full value must be a number, got {type(value).__name__}")
-    _check_representable(value, dtype, "kl.full value")
-    if dtype == torch.bool:
-        value = bool(value)  # nan and inf are True, as torch.full's (C++ made nan false)
+    value = _exact_number(value, dtype, "kl.full value")
     return _make("full", [], shape, dtype, value=value)
+
+
+def _exact_number(value, dtype, what: str):
+    """A Python number given for a tile of ``dtype`` (kl.load's other=,
+    kl.store's value): raises as kl.full if ``dtype`` cannot hold it (nan as
+    int32: compiled code wrote 0 where the simulator raised); a bool for a
+    bool tile (nan and inf are True, as torch's; C++ converted them to
+    false)."""
+    _check_representable(value, dtype, what)
+    return bool(value) if dtype == torch.bool else value
 
 
 def _check_representable(value, dtype, what: str) -> None:
@@ -538,6 +556,8 @@ def load(x: TensorArg, index, mask=None, other=None) -> Tile:
                 raise error(f"kl.load other of shape {other.shape} does not broadcast to the "
                             f"loaded shape {shape}")
             other = cast(other, x.dtype)
+        else:  # a number: PyTorch's rule, as kl.full's value
+            other = _exact_number(other, x.dtype, "kl.load other")
     return _make("load", [x, mask, other, *items], shape, x.dtype)
 
 
@@ -556,6 +576,8 @@ def store(x: TensorArg, index, value, mask=None) -> None:
                     f"shape {shape}")
     if isinstance(value, Tile):
         value = cast(value, x.dtype)
+    else:
+        value = _exact_number(value, x.dtype, "kl.store value")
     backend().op("store", [x, mask, value, *items], shape, x.dtype, {})
 
 

@@ -830,7 +830,7 @@ class _Emitter:
                    "minimum": "at::vec::minimum({a}, {b})"}
     _VEC_UNARY = {"exp": "{a}.exp()", "fast_exp": "kl_fast_exp({a})", "log": "{a}.log()",
                   "sqrt": "{a}.sqrt()", "rsqrt": "{a}.rsqrt()", "tanh": "{a}.tanh()", "erf": "kl_erf({a})",
-                  "floor": "{a}.floor()", "abs": "{a}.abs()",
+                  "floor": "{a}.floor()", "abs": "{a}.abs()", "neg": "{a}.neg()",
                   "sigmoid": "(KlVec(1.0f) / (KlVec(1.0f) + {a}.neg().exp()))"}
 
     def _vectorisable(self, op) -> bool:
@@ -947,7 +947,7 @@ class _Emitter:
                                        f": {self.operand(b, idx, v.dtype)})", v.dtype)
             return
         if kind in ("exp", "fast_exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "floor",
-                    "abs", "invert"):
+                    "abs", "invert", "neg"):
             x = ops[0]
             ct = compute_type(v.dtype)
 
@@ -962,6 +962,8 @@ class _Emitter:
                         f"({a} < 0 ? -{a} : {a})"
                 if kind == "invert":
                     return f"(!{a})" if v.dtype == torch.bool else f"(~{a})"
+                if kind == "neg":  # floats only: the sign bit, as torch.neg
+                    return f"(-{a})"
                 if kind == "fast_exp":
                     return f"std::exp({a})"
                 return f"std::{kind}({a})"

@@ -123,6 +123,8 @@ class Simulator:
             return data[0].abs()
         if kind == "invert":
             return torch.bitwise_not(data[0])
+        if kind == "neg":
+            return torch.neg(data[0])
         if kind == "where":
             c, a, b = data
             a = tensor(a, dtype) if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype)

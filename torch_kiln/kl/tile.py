@@ -95,7 +95,7 @@ class Tile:
     def __ge__(self, other): return _lang().binary("ge", self, other)
     def __eq__(self, other): return _lang().binary("eq", self, other)  # noqa: PLE0307
     def __ne__(self, other): return _lang().binary("ne", self, other)
-    def __neg__(self): return _lang().binary("sub", 0, self)
+    def __neg__(self): return _lang().negative(self)
     def __invert__(self): return _lang().invert(self)
     __hash__ = object.__hash__
 

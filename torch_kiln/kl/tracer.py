@@ -212,7 +212,17 @@ class _Range:
             for name, outer in self.before_values.items():
                 now = after.get(name)
                 if isinstance(now, Tile) and now.handle is self.loop.var:
-                    continue  # the name is this loop's variable
+                    # The name holds this loop's variable (`last = k`, or the
+                    # loop's own name reused): carried, so after the loop it
+                    # holds the last trip's value (or its value before the
+                    # loop if there was no trip), as in Python. A reused name
+                    # of another shape or dtype, or one that held a tile
+                    # made inside an earlier loop (its variable: `for k` in
+                    # two loops), is left as it was.
+                    usable = tuple(outer.scope) == tuple(t.scope[:len(outer.scope)])
+                    if usable and now.shape == outer.shape and now.dtype == outer.dtype:
+                        carried.append((name, outer, now))
+                    continue
                 if not isinstance(now, Tile):
                     if name in after:
                         raise error(f"'{name}' is a tile before the kl.range loop and "
@@ -238,7 +248,7 @@ class _Range:
             inners = [now.handle for _, _, now in carried]
             outers = {outer.id for _, outer, _ in carried}
             for (name, outer, now), inner in zip(carried, inners):
-                if (inner.alias_of or inner).id in outers:
+                if inner is self.loop.var or (inner.alias_of or inner).id in outers:
                     # Note [kl loop-carried state]: the name ends the body
                     # holding another carried tile's state (a, b = b, a), which
                     # the copy-back below may overwrite first: copy it here.
