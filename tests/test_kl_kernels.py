@@ -135,7 +135,7 @@ def test_backward_through_a_kl_kernel_raises_instead_of_dropping_the_gradient(de
     torch.testing.assert_close(out.detach().cpu(), torch.softmax(x.detach().cpu(), -1),
                                **tol(torch.float32))
     assert out.requires_grad
-    with pytest.raises(RuntimeError, match=r"Trying to backward through kl::softmax_kernel "
+    with pytest.raises(RuntimeError, match=r"Trying to backward through kl::softmax_kernel(_\d+)? "
                                            r".*no autograd formula was registered"):
         (out + x).sum().backward()
     with torch.no_grad():
@@ -147,7 +147,7 @@ def test_backward_through_a_kl_kernel_raises_instead_of_dropping_the_gradient(de
 
 def test_backward_through_a_compiled_kl_kernel_raises(fresh_compile):
     x = (randn(37, 100, dtype=torch.float32) * 5).to("kiln").requires_grad_()
-    with pytest.raises(Exception, match=r"Trying to backward through kl::softmax_kernel "
+    with pytest.raises(Exception, match=r"Trying to backward through kl::softmax_kernel(_\d+)? "
                                         r".*no autograd formula was registered"):
         (torch.compile(kl_softmax.softmax)(x) + x).sum().backward()
 
