@@ -305,6 +305,58 @@ def test_a_fix_path_that_is_a_python_file_is_refused(tmp_path):
     assert not (tmp_path / "out.py").exists()
 
 
+@pytest.mark.parametrize("option", ["--output", "--json", "--html"])
+def test_a_report_path_that_is_the_script_or_a_python_file_is_refused(tmp_path, option):
+    """--output, --json and --html onto the script overwrote it with the
+    report (found by a fresh user); refused as --fix is, before anything
+    runs."""
+    script = tmp_path / "train.py"
+    source = "import torch\nx = torch.ones(1).cuda()\n"
+    script.write_text(source)
+    for path in (script, tmp_path / "report.py"):
+        result = run_audit("--no-run", option, str(path), str(script))
+        assert result.returncode == 2
+        assert f"{option} {str(path)!r}: that would overwrite a Python file" in result.stderr, \
+            result.stderr
+    assert script.read_text() == source
+    assert not (tmp_path / "report.py").exists()
+
+
+def test_storage_cuda_in_map_location_and_autocast_without_dtype():
+    """Two rewrites a fresh user found wrong: a storage's .to takes the
+    device by keyword only (storage.to(device) raised TypeError), and
+    torch.autocast("cuda") without a dtype runs float16 on CUDA but would
+    have run bfloat16 on kiln and the CPU once rewritten."""
+    source = textwrap.dedent("""\
+        import torch
+        a = torch.load("m.pt", map_location=lambda storage, loc: storage.cuda())
+        b = torch.load("m.pt", map_location=lambda s, loc: s.cuda(0, non_blocking=True))
+        c = torch.ones(1).cuda()
+        with torch.autocast(device_type="cuda"):
+            pass
+        with torch.amp.autocast("cuda", enabled=True):
+            pass
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pass
+        """)
+    new, _, _, skip = fix_source(source, "train.py")
+    assert not skip
+    body = new.split("\n", 2)[2]  # after the import and the added device line
+    assert body == textwrap.dedent("""\
+        a = torch.load("m.pt", map_location=lambda storage, loc: storage.to(device=device))
+        b = torch.load("m.pt", map_location=lambda s, loc: s.to(device=torch.device(device.type, 0), non_blocking=True))
+        c = torch.ones(1).to(device)
+        with torch.autocast(device_type=device.type, dtype=torch.float16):
+            pass
+        with torch.amp.autocast(device.type, dtype=torch.float16, enabled=True):
+            pass
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            pass
+        """)
+    storage = torch.UntypedStorage(4)
+    assert storage.to(device=torch.device("cpu")).device.type == "cpu"  # the keyword form runs
+
+
 def test_fix_of_a_portable_program_changes_nothing():
     result = make_fix([fixture("portable_train.py")], FIXTURES)
     assert result.files == [] and result.fixed == [] and result.unfixed == []

@@ -154,6 +154,47 @@ def test_mapping_makes_cuda_graphs_kiln_graphs_and_restores_them():
     assert (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.nvtx.range_push) == before
 
 
+def test_inductor_compiled_program_runs_with_map_cuda(tmp_path):
+    """@torch.compile with the default backend under --map-cuda failed in
+    Inductor's cache key, which reads torch.cuda.get_device_properties(...)
+    .gcnArchName when torch.version.cuda is None (found by a fresh user; the
+    fixtures compile with backend="eager")."""
+    script = tmp_path / "compiled.py"
+    script.write_text(
+        "import torch\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "@torch.compile\n"
+        "def f(x):\n"
+        "    return (x * 2).sin().sum()\n"
+        "x = torch.arange(8, dtype=torch.float32, device=device)\n"
+        "print('f', f(x).item(), x.device.type)\n")
+    result, report = run_audit_json(tmp_path, "--map-cuda", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = torch.compile(lambda x: (x * 2).sin().sum())(torch.arange(8.0)).item()
+    assert result.stdout == f"f {expected} kiln\n"
+
+
+def test_nccl_backend_becomes_kccl_with_map_cuda(tmp_path):
+    """init_process_group("nccl") under --map-cuda failed with "Distributed
+    package doesn't have NCCL built in" (found by a fresh user)."""
+    from torch_kiln.audit.mapping import _kiln_backend
+
+    assert [_kiln_backend(b) for b in ("nccl", "NCCL", "cpu:gloo,cuda:nccl", "gloo", None)] == \
+        ["kccl", "kccl", "cpu:gloo,kiln:kccl", "gloo", None]
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        f"dist.init_process_group('nccl', init_method='file://{tmp_path / 'store'}',\n"
+        "                        rank=0, world_size=1)\n"
+        "t = torch.ones(3, device='cuda')\n"
+        "dist.all_reduce(t)\n"
+        "print(dist.get_backend(), t.device.type, t.tolist())\n"
+        "dist.destroy_process_group()\n")
+    result, _ = run_audit_json(tmp_path, "--map-cuda", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "kccl kiln [1.0, 1.0, 1.0]\n"
+
+
 def test_cuda_graph_program_runs_with_map_cuda(tmp_path):
     script = tmp_path / "cuda_graph.py"
     script.write_text(

@@ -6,6 +6,7 @@ import os
 import textwrap
 
 import pytest
+import torch
 
 from audit_helpers import RUNTIME_CATEGORIES, fixture, found, planted
 
@@ -76,6 +77,60 @@ def test_each_finding_carries_its_judgements_and_code():
     assert (f.file, f.line, f.category, f.severity, f.on_kiln, f.effort) == (
         "/prog.py", 1, "dot-cuda", "high", "fails", "mechanical")
     assert f.code == "x = y.cuda()" and "torch.accelerator" in f.replacement
+
+
+def test_catching_torch_cuda_out_of_memory_error_works_on_kiln():
+    """torch.cuda.OutOfMemoryError is torch.OutOfMemoryError, which kiln
+    raises: it was reported as [high; fails; needs a decision]."""
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    findings, _ = scan_source("import torch\ntry:\n    pass\n"
+                              "except torch.cuda.OutOfMemoryError:\n    pass\n", "/prog.py")
+    (f,) = findings
+    assert (f.line, f.category, f.severity, f.on_kiln) == (4, "torch-cuda", "low", "works")
+    assert f.replacement == "torch.OutOfMemoryError (the same class)"
+
+
+def test_device_strings_completed_by_format_percent_or_plus():
+    """Found by a fresh user: only f"cuda:{rank}" was reported; these were
+    missed, and the script looked portable. --fix lists them (not rewritten)."""
+    from torch_kiln.audit.fix import fix_source
+
+    code = textwrap.dedent("""\
+        import torch
+        rank = 0
+        a = torch.device("cuda:%d" % rank)
+        b = "cuda:{}".format(rank)
+        c = "cuda:" + str(rank)
+        d = "cuda:{r}".format(r=rank)
+        e = "total: %d" % rank + "cuda" * 0
+        """)
+    findings, _ = scan_source(code, "/prog.py")
+    assert [(f.line, f.category) for f in findings] == [
+        (3, "device-string"), (4, "device-string"), (5, "device-string"), (6, "device-string"),
+        (7, "device-string")]  # line 7: the bare "cuda", as before
+    assert findings[0].message == "hard-coded device built from 'cuda:%d'"
+    _, fixed, unfixed, _ = fix_source(code, "/prog.py")
+    assert sorted(f.line for f, why in unfixed if "completed by %, .format or +" in why) == \
+        [3, 4, 5, 6]
+
+
+def test_cuda_environment_variables_and_build_queries():
+    """Missed before (found by a fresh user): CUDA's environment variables,
+    and branches on torch.version.cuda or torch.backends.cuda.is_built()."""
+    code = textwrap.dedent("""\
+        import os, torch
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if torch.version.cuda is not None:
+            pass
+        if torch.backends.cuda.is_built():
+            pass
+        os.environ["MY_CUDA_FLAG"] = "1"
+        """)
+    findings, _ = scan_source(code, "/prog.py")
+    assert [(f.line, f.category) for f in findings] == [
+        (2, "cuda-setting"), (3, "cuda-setting"), (4, "cuda-branch"), (6, "cuda-branch")]
+    assert "KILN_VISIBLE_DEVICES" in findings[0].message
 
 
 def test_syntax_error_is_a_finding_and_tokens_still_report():

@@ -143,6 +143,9 @@ TORCH_CUDA_API: dict[str, Api] = {
                                  "(torch.get_device_module(device))", effort="needs a decision"),
     "is_bf16_supported": Api("torch-cuda", "torch.get_device_module(device).is_bf16_supported()",
                              _SD, severity="medium"),
+    # The same class as torch.OutOfMemoryError, which kiln raises: works.
+    "OutOfMemoryError": Api("torch-cuda", "torch.OutOfMemoryError (the same class)", "works",
+                            severity="low"),
     # torch.cuda.amp: deprecated aliases of torch.amp that pin device_type="cuda".
     "amp": Api("cuda-amp", 'torch.amp (torch.autocast(device_type=device.type), '
                "torch.amp.GradScaler(device.type))"),
@@ -202,6 +205,17 @@ CUDA_ONLY_PACKAGES: dict[str, str] = {
     "torch_tensorrt": "torch.compile, or torch.export for deployment",
     "deepspeed.ops": "the PyTorch built-in for the fused op (torch.optim fused, SDPA)",
     "numba.cuda": "PyTorch ops on `device`, or a torch.library custom op",
+}
+
+# Environment variables that only CUDA (or its libraries) read, as string
+# literals (os.environ["CUDA_VISIBLE_DEVICES"] = "0") -> what to use instead.
+CUDA_ENVIRONMENT: dict[str, str] = {
+    "CUDA_VISIBLE_DEVICES": "no effect on kiln: KILN_VISIBLE_DEVICES selects kiln devices",
+    "CUDA_LAUNCH_BLOCKING": "no effect on kiln: KILN_LAUNCH_BLOCKING=1 makes launches wait",
+    "CUBLAS_WORKSPACE_CONFIG": "a cuBLAS setting (for torch.use_deterministic_algorithms on "
+                               "CUDA); no effect off CUDA",
+    "PYTORCH_CUDA_ALLOC_CONF": "CUDA's caching-allocator settings; no effect on kiln's",
+    "CUDA_DEVICE_ORDER": "no effect off CUDA",
 }
 
 # Settings that only mean something on CUDA: dotted name -> portable knob.

@@ -62,15 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bad_fix_path(path: str, script: str) -> str:
-    """Why ``--fix PATH`` must not be written (the diff never overwrites a
-    program's source), or ``""``."""
+_WHAT_OPTIONS_WRITE = {"--fix": ("a unified diff", "fix.diff, or - for stdout"),
+                       "--json": ("the JSON report", "audit.json, or - for stdout"),
+                       "--html": ("the HTML report", "audit.html"),
+                       "--output": ("the text report", "audit.txt")}
+
+
+def _bad_output_path(option: str, path: str, script: str) -> str:
+    """Why ``option PATH`` must not be written (the audit never overwrites a
+    program's source: a Python file or the script itself), or ``""``."""
+    what, example = _WHAT_OPTIONS_WRITE[option]
     if path.endswith(".py") or (os.path.exists(script) and os.path.exists(path)
                                 and os.path.samefile(path, script)):
-        return (f"--fix {path!r}: the diff would overwrite a Python file; --fix writes a "
-                "unified diff, never the source: give a path such as fix.diff, or - for stdout")
+        return (f"{option} {path!r}: that would overwrite a Python file; {option} writes "
+                f"{what}, never the source: give a path such as {example}")
     if os.path.isdir(path):
-        return f"--fix {path!r} is a directory; give the path of the diff file to write"
+        return f"{option} {path!r} is a directory; give the path of the file to write"
     return ""
 
 
@@ -111,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"script {opts.fix!r}: write --fix - {opts.fix} (stdout) or "
                          f"--fix fix.diff {opts.fix}")
         parser.error("the following arguments are required: script")
-    if opts.fix and opts.fix != "-":
-        problem = _bad_fix_path(opts.fix, opts.script)
+    for option, path in (("--fix", opts.fix), ("--json", opts.json), ("--html", opts.html),
+                         ("--output", opts.output)):
+        writes_stdout = path == "-" and option in ("--fix", "--json")
+        problem = _bad_output_path(option, path, opts.script) if path and not writes_stdout else ""
         if problem:
             parser.error(problem)
     for option, path in (("--fix", opts.fix), ("--json", opts.json), ("--html", opts.html),

@@ -295,21 +295,36 @@ class _Fixer:
         edits = [_Edit(end - 4, end, "to")]
         device_kw = [k for k in call.keywords if k.arg == "device"]
         index = call.args[0] if call.args else (device_kw[0].value if device_kw else None)
+        # A storage's .to takes the device by keyword only: in torch.load's
+        # map_location=lambda storage, loc: storage.cuda(), .to(device) raised
+        # TypeError (found by a fresh user), so there the device is named.
+        name = "device=" if self._in_map_location(call) and not device_kw else ""
         if index is None or (isinstance(index, ast.Constant) and index.value is None):
             if index is not None:  # .cuda(None) / .cuda(device=None): the current device
-                edits.append(_Edit(*self.source.span(index), self.dev()))
+                edits.append(_Edit(*self.source.span(index), name + self.dev()))
             else:
                 rest = ", " if call.keywords else ""
                 position = self.open_paren(call)
-                edits.append(_Edit(position, position, self.dev() + rest))
+                edits.append(_Edit(position, position, name + self.dev() + rest))
             return edits
         if not (isinstance(index, ast.Constant) and isinstance(index.value, int)
                 and not isinstance(index.value, bool)):
             raise _Unfixable("a device index that is not a literal integer: "
                              f"use torch.device({self.device}.type, index)")
-        replacement = f"{self.t('device')}({self.dev()}.type, {index.value})"
+        replacement = f"{name}{self.t('device')}({self.dev()}.type, {index.value})"
         edits.append(_Edit(*self.source.span(index), replacement))
         return edits
+
+    def _in_map_location(self, node: ast.AST) -> bool:
+        """Whether ``node`` is inside a lambda given as ``map_location=``."""
+        parent = self.scanner.parent(node)
+        while parent is not None:
+            if isinstance(parent, ast.Lambda):
+                holder = self.scanner.parent(parent)
+                if isinstance(holder, ast.keyword) and holder.arg == "map_location":
+                    return True
+            node, parent = parent, self.scanner.parent(parent)
+        return False
 
     def device_string(self, node: ast.AST) -> list[_Edit]:
         parent = self.scanner.parent(node)
@@ -325,11 +340,36 @@ class _Fixer:
             raise _Unfixable("a string that is not an expression on its own")
         self._check_device_use(node, parent)
         value = node.value
+        if value != "cuda" and not _CUDA_INDEX.fullmatch(value):
+            raise _Unfixable("a device string completed by %, .format or +: write "
+                             f'f"{{{self.device}.type}}:{{index}}"')
         index = _CUDA_INDEX.fullmatch(value)
         start, end = self.source.span(node)
         replacement = (f'f"{{{self.dev()}.type}}:{index.group(1)}"' if index
                        else f"{self.dev()}.type")
+        if value == "cuda" and self._autocast_without_dtype(node, parent):
+            # CUDA's autocast defaults to float16, the CPU's (and kiln's) to
+            # bfloat16: the patched program would have run in another
+            # precision (found by a fresh user); CUDA's default is kept.
+            replacement += f", dtype={self.t('float16')}"
         return [_Edit(start, end, replacement)]
+
+    def _autocast_without_dtype(self, node: ast.AST, parent: ast.AST | None) -> bool:
+        """Whether ``node`` is the device type of a torch.autocast /
+        torch.amp.autocast call that gives no dtype (and takes no *args or
+        **kwargs)."""
+        call = parent
+        if isinstance(parent, ast.keyword):
+            if parent.arg != "device_type":
+                return False
+            call = self.scanner.parent(parent)
+        elif not (isinstance(parent, ast.Call) and parent.args[:1] == [node]):
+            return False
+        if not isinstance(call, ast.Call) or self.scanner.qualified(call.func) not in (
+                "torch.autocast", "torch.amp.autocast", "torch.amp.autocast_mode.autocast"):
+            return False
+        return (len(call.args) <= 1 and not any(isinstance(a, ast.Starred) for a in call.args)
+                and all(k.arg not in ("dtype", None) for k in call.keywords))
 
     @staticmethod
     def _check_device_use(node: ast.AST, parent: ast.AST | None) -> None:

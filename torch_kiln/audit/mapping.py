@@ -22,7 +22,9 @@ The mapping has two parts, both undone when :class:`CudaMapping` exits:
    ``__torch_function__``; CUDA graphs (``torch.cuda.CUDAGraph`` becomes
    ``torch.kiln.KilnGraph``, ``torch.cuda.graph`` kiln's); NVTX ranges
    become ``torch.kiln.nvtx`` ranges (``record_function``, seen by
-   ``torch.profiler``).
+   ``torch.profiler``); an ``"nccl"`` backend given to
+   ``torch.distributed.init_process_group`` or ``new_group`` becomes
+   ``"kccl"``.
 
 Limits (what the mapping cannot see): a device made with ``torch.device``
 reads ``type == "kiln"`` afterwards, so a program's own ``device.type ==
@@ -56,7 +58,7 @@ _SAME_NAME = (
     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "memory_stats",
     "memory_summary", "memory_snapshot", "reset_peak_memory_stats",
     "reset_accumulated_memory_stats", "mem_get_info", "get_device_name",
-    "get_device_properties", "get_device_capability", "is_bf16_supported", "current_stream",
+    "get_device_capability", "is_bf16_supported", "current_stream",
     "default_stream", "set_stream", "stream", "Stream", "Event", "StreamContext",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "ipc_collect",
     "device_count", "init", "is_initialized",
@@ -110,6 +112,50 @@ def map_call(func: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple
     new_args = tuple(map_device(a) for a in args)
     new_kwargs = {k: map_device(v) for k, v in kwargs.items()}
     return func, new_args, new_kwargs
+
+
+def _kiln_backend(backend: Any) -> Any:
+    """A process-group backend string with NCCL replaced by kccl, kiln's
+    collectives ("nccl" -> "kccl", "cpu:gloo,cuda:nccl" ->
+    "cpu:gloo,kiln:kccl"); anything else unchanged."""
+    if not isinstance(backend, str) or "nccl" not in backend.lower():
+        return backend
+    parts = []
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if name.strip().lower() == "nccl":
+            name = "kccl"
+        parts.append(f"{'kiln' if device.strip() == 'cuda' else device}:{name}" if device
+                     else name)
+    return ",".join(parts)
+
+
+def _backend_on_kiln(function: Callable) -> Callable:
+    """torch.distributed.init_process_group / new_group under the mapping:
+    an NCCL backend (by keyword or first positional argument) becomes kccl
+    (without it: "Distributed package doesn't have NCCL built in")."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = _kiln_backend(kwargs["backend"])
+        elif args and function.__name__ == "init_process_group":
+            args = (_kiln_backend(args[0]),) + args[1:]
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _cuda_device_properties(device: Any = None):
+    """torch.cuda.get_device_properties under the mapping: the kiln device's
+    properties, plus ``gcnArchName`` (its name). PyTorch's CUDA properties
+    have that field, and Inductor's cache key (CacheBase.get_system) reads
+    it whenever ``torch.version.cuda`` is None, as on the CPU build kiln runs
+    on: without it every ``torch.compile`` with the default backend failed
+    under --map-cuda with AttributeError."""
+    properties = torch.kiln.get_device_properties(map_device(device))
+    properties.gcnArchName = properties.name
+    return properties
 
 
 def _kiln_autocast(enabled: bool = True, dtype: torch.dtype = torch.float16,
@@ -174,6 +220,7 @@ class CudaMapping(contextlib.AbstractContextManager):
                 self._set(cuda, name, getattr(kiln, name))
         for cuda_name, kiln_name in _RENAMED.items():
             self._set(cuda, cuda_name, getattr(kiln, kiln_name))
+        self._set(cuda, "get_device_properties", _cuda_device_properties)
         amp = torch.cuda.amp
         self._set(amp, "autocast", _kiln_autocast)
         self._set(amp, "GradScaler", _kiln_grad_scaler)
@@ -222,6 +269,10 @@ class CudaMapping(contextlib.AbstractContextManager):
 
         self._set(torch, "load", load_on_kiln)
         self._set(torch, "Generator", _generator_on_kiln())
+        if torch.distributed.is_available():
+            distributed = torch.distributed
+            for name in ("init_process_group", "new_group"):
+                self._set(distributed, name, _backend_on_kiln(getattr(distributed, name)))
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -31,6 +31,9 @@ __all__ = ["scan_program", "scan_source", "scan_file"]
 
 # Applied to the *value* of a string literal, never to source text.
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+# The start of a device string completed by %, .format or +: "cuda:%d",
+# "cuda:{}", "cuda:{rank}", "cuda:".
+_CUDA_DEVICE_TEMPLATE = re.compile(r"cuda:(%[-#0 +]*\d*[sdir]|\{[^{}]*\})?")
 # A process-group backend spec: "nccl", "cpu:gloo,cuda:nccl".
 _BACKEND_SPEC = re.compile(r"[a-z]+(:[a-z]+)?(,[a-z]+(:[a-z]+)?)*")
 _CUDA_SOURCE_SUFFIXES = (".cu", ".cuh")
@@ -156,10 +159,25 @@ class _Scanner(ast.NodeVisitor):
                          "CUDA side of this branch is not taken")
             else:
                 self.add("device-string", node, f"hard-coded device {value!r}")
+        elif _CUDA_DEVICE_TEMPLATE.fullmatch(value) and self._is_template_of_a_string(node):
+            # "cuda:%d" % rank, "cuda:{}".format(rank), "cuda:" + str(rank)
+            self.add("device-string", node, f"hard-coded device built from {value!r}",
+                     replacement="f\"{device.type}:{index}\" or torch.device(device.type, index)")
         elif _is_nccl(value):
             self.add("nccl", node, f"process-group backend {value!r}: NCCL exists only on CUDA")
+        elif value in catalog.CUDA_ENVIRONMENT:
+            self.add("cuda-setting", node, f"environment variable {value}: "
+                     f"{catalog.CUDA_ENVIRONMENT[value]}")
         elif _is_cuda_source_name(value):
             self.add("cuda-extension", node, f"names CUDA source {value!r}")
+
+    def _is_template_of_a_string(self, node: ast.Constant) -> bool:
+        """Whether the string is formatted or extended into another string:
+        the left operand of ``%`` or ``+``, or the object of ``.format``."""
+        parent = self.parent(node)
+        if isinstance(parent, ast.BinOp) and parent.left is node:
+            return isinstance(parent.op, (ast.Mod, ast.Add))
+        return isinstance(parent, ast.Attribute) and parent.attr == "format"
 
     def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
         first = node.values[0] if node.values else None
@@ -188,6 +206,13 @@ class _Scanner(ast.NodeVisitor):
             return
         if name.startswith("torch.cuda."):
             self.torch_cuda(node, name)
+        elif name == "torch.version.cuda":
+            self.add("cuda-branch", node, "reads torch.version.cuda: None on kiln (a CPU build "
+                     "of PyTorch), so a branch on it takes its non-CUDA side")
+        elif name in ("torch.backends.cuda.is_built", "torch.backends.cudnn.is_available",
+                      "torch.backends.cudnn.version"):
+            self.add("cuda-branch", node, f"{name}(): False or None on kiln (a query, not a "
+                     "setting), so a branch on it takes its non-CUDA side")
         elif name in catalog.CUDA_SETTINGS:
             self.add("cuda-setting", node, f"{name}: {catalog.CUDA_SETTINGS[name]}")
         elif name.startswith(("torch.backends.cudnn.", "torch.backends.cuda.")):
