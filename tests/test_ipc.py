@@ -18,8 +18,10 @@ TIMEOUT = 90  # seconds, per queue read and per join
 
 
 @contextlib.contextmanager
-def child_process(target, *args):
-    ctx = mp.get_context("spawn")
+def child_process(target, *args, method="spawn"):
+    """Starts ``target(to_child, to_parent, *args)`` in a child process and
+    yields the two queues; at the end the child must have exited with 0."""
+    ctx = mp.get_context(method)
     queues = (ctx.Queue(), ctx.Queue())
     process = ctx.Process(target=target, args=(*queues, *args), daemon=True)
     process.start()
@@ -73,7 +75,7 @@ def test_views_share_memory_both_ways(device):
     assert torch.kiln.ipc_collect() == 0  # the child exited: nothing is held for it
 
 
-def _argument_child(to_parent, t, model):
+def _argument_child(to_child, to_parent, t, model):
     to_parent.put((str(t.device), t.cpu(), model.weight.detach().cpu()))
     with torch.no_grad():
         model.weight.add_(1)  # Hogwild: the parent's parameter
@@ -88,28 +90,17 @@ def test_tensors_as_process_arguments(method, device):
     records descriptors for the child to inherit, and kiln closed them
     before the launch ("bad value(s) in fds_to_keep" under spawn, "fd ...
     holds 0 bytes" in a forkserver child). Found by a fresh-user sweep."""
-    ctx = mp.get_context(method)
-    to_parent = ctx.Queue()
     t = torch.arange(6.0, device=device) * 2
     model = torch.nn.Linear(3, 2, bias=False).to(device)
     expected = model.weight.detach().cpu()
-    process = ctx.Process(target=_argument_child, args=(to_parent, t, model), daemon=True)
-    process.start()
-    try:
+    with child_process(_argument_child, t, model, method=method) as (_, to_parent):
         seen_device, seen, weight = to_parent.get(timeout=TIMEOUT)
         assert seen_device == device
         assert_same(seen, torch.arange(6.0) * 2)
         assert_same(weight, expected)
         assert to_parent.get(timeout=TIMEOUT) == "written"
         assert_same(model.weight.detach().cpu(), expected + 1)
-        process.join(TIMEOUT)
-        assert process.exitcode == 0, f"child exit code {process.exitcode}"
-    finally:
-        if process.is_alive():
-            process.kill()
-            process.join(10)
-    process.close()  # its Popen closes the descriptors kept for the launch
-    del process
+    # the child's Process is gone: its Popen closed the descriptors kept for the launch
     assert torch.kiln.ipc_collect() == 0
 
 
