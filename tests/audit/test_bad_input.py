@@ -43,6 +43,8 @@ def test_script_that_raises_reports_and_keeps_its_status(tmp_path):
     assert found(report["findings"]) == {(script, 2, "device-string"), (script, 4, "run-failure")}
     (failure,) = [f for f in report["findings"] if f["category"] == "run-failure"]
     assert failure["message"] == "the script raised ValueError: boom"
+    # not "run with --map-cuda", the category's advice: this run did
+    assert failure["replacement"] == "fix the error shown (this run already mapped CUDA to kiln)"
     assert report["argv"] == ["--flag"]
 
 

@@ -41,6 +41,7 @@ def test_without_map_cuda_the_failure_is_the_finding_and_status_is_kept(tmp_path
     failures = [f for f in report["findings"] if f["category"] == "run-failure"]
     assert [(f["line"], f["message"]) for f in failures] == [
         (34, "the script raised AssertionError: Torch not compiled with CUDA enabled")]
+    assert "run with --map-cuda" in failures[0]["replacement"]
     # The script's own traceback, as Python prints it: no frames of the audit.
     assert "Traceback" in result.stderr and "torch_kiln/audit" not in result.stderr
 

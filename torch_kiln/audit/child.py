@@ -148,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                     file, line = os.path.realpath(frame.f_code.co_filename), lineno
             text = str(error).strip().splitlines()
             message = f"{type(error).__name__}: {text[0] if text else ''}".strip().rstrip(":")
-            tracer.record_event({"kind": "run-failure", "file": file, "line": line,
-                                 "key": type(error).__name__,
-                                 "message": f"the script raised {message[:300]}"})
+            failure = {"kind": "run-failure", "file": file, "line": line,
+                       "key": type(error).__name__,
+                       "message": f"the script raised {message[:300]}"}
+            if opts.map_cuda:  # the category's advice is to run with --map-cuda
+                failure["replacement"] = "fix the error shown (this run already mapped CUDA to kiln)"
+            tracer.record_event(failure)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
