@@ -322,7 +322,7 @@ def test_a_report_path_that_is_the_script_or_a_python_file_is_refused(tmp_path, 
     assert not (tmp_path / "report.py").exists()
 
 
-def test_storage_cuda_in_map_location_and_autocast_without_dtype():
+def test_storage_cuda_in_map_location_and_autocast_without_dtype(tmp_path, monkeypatch):
     """Two rewrites a fresh user found wrong: a storage's .to takes the
     device by keyword only (storage.to(device) raised TypeError), and
     torch.autocast("cuda") without a dtype runs float16 on CUDA but would
@@ -353,8 +353,15 @@ def test_storage_cuda_in_map_location_and_autocast_without_dtype():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             pass
         """)
-    storage = torch.UntypedStorage(4)
-    assert storage.to(device=torch.device("cpu")).device.type == "cpu"  # the keyword form runs
+    # The patched program runs (storage.to(device) raised TypeError) and
+    # loads onto the accelerator.
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.arange(3.0)}, "m.pt")
+    scope = {}
+    exec(compile(new, "train.py", "exec"), scope)
+    for loaded in (scope["a"], scope["b"]):
+        assert loaded["w"].device.type == scope["device"].type
+        assert loaded["w"].cpu().tolist() == [0.0, 1.0, 2.0]
 
 
 def test_fix_of_a_portable_program_changes_nothing():

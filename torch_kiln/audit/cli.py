@@ -69,9 +69,14 @@ _WHAT_OPTIONS_WRITE = {"--fix": ("a unified diff", "fix.diff, or - for stdout"),
 
 
 def _bad_output_path(option: str, path: str, script: str) -> str:
-    """Why ``option PATH`` must not be written (the audit never overwrites a
-    program's source: a Python file or the script itself), or ``""``."""
+    """Why ``option PATH`` must not be written, or ``""``: the audit never
+    overwrites a program's source (a Python file or the script itself), and
+    a path whose directory does not exist is refused before the run, so that
+    a long run is not lost to a typo."""
     what, example = _WHAT_OPTIONS_WRITE[option]
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"{option} {path!r}: directory {directory!r} does not exist"
     if path.endswith(".py") or (os.path.exists(script) and os.path.exists(path)
                                 and os.path.samefile(path, script)):
         return (f"{option} {path!r}: that would overwrite a Python file; {option} writes "
@@ -124,12 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         problem = _bad_output_path(option, path, opts.script) if path and not writes_stdout else ""
         if problem:
             parser.error(problem)
-    for option, path in (("--fix", opts.fix), ("--json", opts.json), ("--html", opts.html),
-                         ("--output", opts.output)):
-        # Checked before the run, so that a long run is not lost to a typo.
-        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"{option} {path!r}: directory {os.path.dirname(os.path.abspath(path))!r} "
-                         "does not exist")
     try:
         report = audit_script(opts.script, opts.args, map_cuda=opts.map_cuda,
                               timeout=opts.timeout, run=not opts.no_run, root=opts.root)
